@@ -1,0 +1,24 @@
+"""The FastAPI application factory: ``uvicorn --factory api.app:create_app``."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+
+from api import errors
+from api.routes import adapters, events, files, jobs, models
+
+
+def create_app() -> FastAPI:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = FastAPI(title="Kiln", version="0.1.0",
+                  description="LoRA fine-tuning for Kimi-family models, OpenAI-compatible.")
+    errors.install(app)
+    for r in (files.router, jobs.router, events.router, adapters.router, models.router):
+        app.include_router(r)
+
+    @app.get("/healthz", include_in_schema=False)
+    def healthz():
+        return {"ok": True}
+
+    return app

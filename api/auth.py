@@ -1,0 +1,49 @@
+"""Bearer API keys. Only the SHA-256 of a key is stored: keys are 192-bit random secrets, so a
+fast hash is enough and lookups stay one indexed query."""
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from fastapi import Depends, Request
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.deps import get_session
+from api.errors import ApiError
+from api.models import ApiKey, now
+
+KEY_PREFIX = "sk-kiln-"
+
+
+def hash_key(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def create_key(session: Session, owner: str, name: str = "") -> tuple[ApiKey, str]:
+    if not owner:
+        raise ValueError("owner must not be empty")
+    secret = KEY_PREFIX + secrets.token_urlsafe(24)
+    key = ApiKey(owner=owner, name=name, key_hash=hash_key(secret), prefix=secret[:12])
+    session.add(key)
+    session.flush()
+    return key, secret
+
+
+def revoke_key(session: Session, key_id: str) -> bool:
+    key = session.scalar(select(ApiKey).where(ApiKey.id == key_id))
+    if key is None:
+        return False
+    key.revoked_at = key.revoked_at or now()
+    return True
+
+
+def current_owner(request: Request, session: Session = Depends(get_session)) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
+    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token.strip())))
+    if key is None or key.revoked_at is not None:
+        raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
+    return key.owner

@@ -1,0 +1,24 @@
+"""Request-scoped dependencies: the database session and the store."""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Iterator
+
+from sqlalchemy.orm import Session
+
+from api.db import get_sessionmaker
+from api.settings import get_settings
+from api.storage import LocalStore
+
+
+def get_session() -> Iterator[Session]:
+    session = get_sessionmaker()()
+    try:
+        yield session
+    finally:
+        session.close()
+
+
+@lru_cache
+def get_store() -> LocalStore:
+    return LocalStore(get_settings().resolved_store_dir())

@@ -1,0 +1,70 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+FastAPI's own 422 body is rewritten into this shape too. Client errors carry
+``x-should-retry: false`` so the OpenAI SDK does not retry what cannot succeed.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("kiln.api")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def not_found(kind: str, id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"No {kind} found with id {id!r}", param=param, code=f"{kind.replace(' ', '_')}_not_found")
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+                      "param": param, "code": code}}
+    headers = dict(headers or {})
+    if 400 <= status < 500 and status not in (408, 409, 429):
+        headers.setdefault("x-should-retry", "false")
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _field(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        param = _field(tuple(first.get("loc", ())))
+        msgs = [f"{_field(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errs[:5]]
+        return error_response(400, "; ".join(msgs), param=param or None, code="invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unhandled(_req: Request, exc: Exception):
+        log.exception("unhandled error")
+        return error_response(500, "The server had an error while processing your request.", code="server_error")

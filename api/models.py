@@ -1,0 +1,123 @@
+"""ORM models. The schema itself is created only by the Alembic migrations in migrations/.
+
+Every table has an integer ``pk`` (insertion order, used for cursors) and, where the API shows
+it, a public string ``id`` with the OpenAI prefix. Times are Unix seconds.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("key_"))
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the secret
+    prefix: Mapped[str] = mapped_column(String(16))  # shown to the owner to tell keys apart
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    revoked_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class File(Base):
+    __tablename__ = "files"
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("file-"))
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    filename: Mapped[str] = mapped_column(String(500))
+    purpose: Mapped[str] = mapped_column(String(50))
+    kind: Mapped[str] = mapped_column(String(10))  # jsonl | zip
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64), index=True)  # the object's key in the store
+    status: Mapped[str] = mapped_column(String(20), default="processed")
+    status_details: Mapped[str | None] = mapped_column(Text, nullable=True)
+    stats: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    deleted_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("ftjob-"))
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    model: Mapped[str] = mapped_column(String(200))
+    training_file: Mapped[str] = mapped_column(String(40))
+    validation_file: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    images_file: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    status: Mapped[str] = mapped_column(String(20), default="validating_files", index=True)
+    hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    lora: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    seed: Mapped[int] = mapped_column(Integer)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
+    fine_tuned_model: Mapped[str | None] = mapped_column(String(300), nullable=True)
+    error: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    trained_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    adapter_key: Mapped[str | None] = mapped_column(String(300), nullable=True)
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    started_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    finished_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Worker coordination: cancel is a flag the trainer reads between steps; the lease makes
+    # sure one worker at a time trains a job even when the broker delivers its message twice.
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    lease_token: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    lease_expires: Mapped[float | None] = mapped_column(Float, nullable=True)
+    enqueued_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("ftevent-"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+    level: Mapped[str] = mapped_column(String(10), default="info")
+    type: Mapped[str] = mapped_column(String(10), default="message")  # message | metrics
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step"),)
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("ftckpt_"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    store_key: Mapped[str] = mapped_column(String(300))
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+
+
+class IdempotencyRecord(Base):
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (UniqueConstraint("owner", "key", "endpoint"),)
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200))
+    key: Mapped[str] = mapped_column(String(300))
+    endpoint: Mapped[str] = mapped_column(String(300))
+    status_code: Mapped[int] = mapped_column(Integer)
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[int] = mapped_column(Integer, default=now)

@@ -1,0 +1,61 @@
+"""Live job events as Server-Sent Events.
+
+Each event is ``id: <cursor>``, ``event: message|metrics|status``, ``data: <event JSON>``. A client
+that reconnects with ``Last-Event-ID`` continues where it stopped; the stream ends with an
+``end`` event once the job has finished and every event was sent.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import APIRouter, Depends, Header, Query
+from fastapi.responses import StreamingResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api import services
+from api.auth import current_owner
+from api.db import get_sessionmaker
+from api.deps import get_session
+from api.models import TERMINAL_STATES, Job
+from api.schemas import event_public
+from api.settings import get_settings
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs")
+
+
+def _frames(job_id: str, cursor: int):
+    settings = get_settings()
+    last_status, last_sent = None, time.monotonic()
+    yield "retry: 2000\n\n"
+    while True:
+        with get_sessionmaker()() as session:
+            events = services.events_since(session, job_id, cursor)
+            status = session.scalar(select(Job.status).where(Job.id == job_id))
+        for e in events:
+            cursor = e.pk
+            yield f"id: {e.pk}\nevent: {e.type}\ndata: {json.dumps(event_public(e))}\n\n"
+        if status != last_status:
+            last_status = status
+            yield f"event: status\ndata: {json.dumps({'id': job_id, 'status': status})}\n\n"
+        if events:
+            last_sent = time.monotonic()
+            continue  # drain a backlog before sleeping
+        if status in TERMINAL_STATES:
+            yield f"event: end\ndata: {json.dumps({'id': job_id, 'status': status})}\n\n"
+            return
+        if time.monotonic() - last_sent > settings.sse_keepalive_seconds:
+            last_sent = time.monotonic()
+            yield ": keep-alive\n\n"
+        time.sleep(settings.sse_poll_seconds)
+
+
+@router.get("/{job_id}/events/stream")
+def stream_events(job_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session),
+                  last_event_id: str | None = Header(None, alias="Last-Event-ID"), after: int = Query(0, ge=0)):
+    job = services.get_job(session, owner, job_id)
+    cursor = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
+    session.close()
+    return StreamingResponse(_frames(job.id, cursor), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,25 @@
+"""/v1/models: the base models and the caller's fine-tuned models."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from sqlalchemy.orm import Session
+
+from api import services
+from api.auth import current_owner
+from api.deps import get_session
+from api.errors import not_found
+
+router = APIRouter(prefix="/v1/models")
+
+
+@router.get("")
+def list_models(owner: str = Depends(current_owner), session: Session = Depends(get_session)):
+    return {"object": "list", "data": services.models_for(session, owner)}
+
+
+@router.get("/{model_id:path}")
+def retrieve_model(model_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
+    for m in services.models_for(session, owner):
+        if m["id"] == model_id:
+            return m
+    raise not_found("model", model_id)

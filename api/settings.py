@@ -1,0 +1,54 @@
+"""Settings from the environment (prefix ``KILN_``), read once and cached.
+
+The defaults are the embedded ones: SQLite, Celery over SQLite, a local folder as object store,
+all under ``KILN_HOME`` (``./kiln-data``). Production sets ``KILN_DATABASE_URL`` to PostgreSQL and
+``KILN_BROKER_URL`` to Redis.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KILN_", extra="ignore")
+
+    home: Path = Path("kiln-data")
+    database_url: str = ""  # default: sqlite under home
+    broker_url: str = ""  # default: Celery's SQLAlchemy transport on sqlite under home
+    queue: str = "kiln"
+    store_dir: Path | None = None  # default: home / "store"
+
+    max_upload_bytes: int = 1 << 30  # 1 GiB per uploaded file
+    max_line_bytes: int = 8 << 20  # one JSONL line (inline data-URL images make lines long)
+    max_archive_members: int = 200_000
+    max_archive_unpacked_bytes: int = 20 << 30  # zip-bomb guard: declared size of all members
+
+    lease_seconds: float = 60.0  # a running job whose heartbeat is older than this is re-queued
+    heartbeat_seconds: float = 5.0
+    reaper_seconds: float = 10.0  # how often a worker looks for jobs to re-queue
+    requeue_queued_after_seconds: float = 120.0  # a queued job nobody took is sent again
+
+    sse_poll_seconds: float = 0.5
+    sse_keepalive_seconds: float = 15.0
+
+    base_models: list[str] = Field(default_factory=lambda: ["kiln-tiny"])
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'kiln.sqlite').resolve()}"
+
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{(self.home / 'broker.sqlite').resolve()}"
+
+    def resolved_store_dir(self) -> Path:
+        return (self.store_dir or self.home / "store").resolve()
+
+
+@lru_cache
+def get_settings() -> Settings:
+    settings = Settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    return settings

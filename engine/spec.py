@@ -1,0 +1,78 @@
+"""What the worker hands the engine: a plain job spec, a store and a reporter.
+
+The spec round-trips through JSON (``to_json``/``from_json``): it is what a job runs with, and
+nothing in it refers to the database or the API.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+
+@dataclass
+class LoraSpec:
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                 "gate_proj", "up_proj", "down_proj"])
+
+
+@dataclass
+class JobSpec:
+    job_id: str
+    model: str  # base model name; its weights are in store.model_dir(model)
+    training_file: str  # local path: a JSONL file or a zip holding one
+    validation_file: str | None = None
+    images_file: str | None = None  # local path of a zip of images
+    n_epochs: int | Literal["auto"] = "auto"
+    batch_size: int | Literal["auto"] = "auto"
+    learning_rate_multiplier: float | Literal["auto"] = "auto"
+    checkpoint_interval: int | None = None  # steps; None: once per epoch
+    max_steps: int | None = None
+    max_seq_len: int | None = None  # None: the model's maximum
+    warmup_ratio: float = 0.05
+    seed: int = 0
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    resume_from: str | None = None  # store key of a checkpoint folder
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "JobSpec":
+        d = json.loads(text)
+        d["lora"] = LoraSpec(**d.get("lora", {}))
+        return cls(**d)
+
+    @property
+    def artifacts(self) -> str:
+        return f"jobs/{self.job_id}"
+
+
+class Store(Protocol):
+    def path(self, key: str) -> Path: ...
+    def publish_dir(self, key: str) -> AbstractContextManager[Path]: ...
+    def publish_file(self, key: str) -> AbstractContextManager[Path]: ...
+    def model_dir(self, name: str) -> Path: ...
+
+
+class Reporter(Protocol):
+    def message(self, text: str, level: str = "info", data: dict[str, Any] | None = None) -> None: ...
+    def metrics(self, step: int, values: dict[str, Any]) -> None: ...
+    def checkpoint(self, step: int, key: str, metrics: dict[str, Any]) -> None: ...
+    def resolved(self, hyperparameters: dict[str, Any]) -> None: ...
+    def should_stop(self) -> str | None:
+        """'cancel' when the user cancelled, 'lease_lost' when another worker took the job."""
+
+
+@dataclass
+class TrainResult:
+    status: Literal["succeeded", "stopped"]
+    adapter_key: str | None = None
+    trained_tokens: int = 0
+    stop_reason: str | None = None
+    final_metrics: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,210 @@
+"""kiln-tiny: the small built-in model (a Llama-style decoder with a patch-embedding image
+encoder) that runs the whole service path on a CPU. Module names follow the Hugging Face layout
+(``model.layers.N.self_attn.q_proj``) so adapters carry PEFT's key names.
+
+Legend: B batch, T tokens, D hidden, H heads, K head dim, N images, P patches per image.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.tokenizer import ByteTokenizer
+
+
+@dataclass
+class TinyConfig:
+    vocab_size: int = ByteTokenizer.vocab_size
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    intermediate_size: int = 688
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    image_size: int = 32
+    patch_size: int = 8
+    initializer_range: float = 0.02
+    model_type: str = "kiln_tiny"
+
+    @property
+    def image_tokens(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope(x_BHTK: torch.Tensor, theta: float) -> torch.Tensor:
+    T, K = x_BHTK.shape[-2], x_BHTK.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, K, 2, device=x_BHTK.device, dtype=torch.float32) / K)
+    ang = torch.outer(torch.arange(T, device=x_BHTK.device, dtype=torch.float32), inv)
+    cos, sin = ang.cos().to(x_BHTK.dtype), ang.sin().to(x_BHTK.dtype)
+    x1, x2 = x_BHTK[..., : K // 2], x_BHTK[..., K // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        D, self.H, self.theta = c.hidden_size, c.num_attention_heads, c.rope_theta
+        self.q_proj, self.k_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+
+        def heads(t):
+            return t.view(B, T, self.H, D // self.H).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x_BTD)), heads(self.k_proj(x_BTD)), heads(self.v_proj(x_BTD))
+        o = F.scaled_dot_product_attention(rope(q, self.theta), rope(k, self.theta), v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, D))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class VisionTower(nn.Module):
+    """Non-overlapping patches, a linear patch embedding, learned positions, one MLP."""
+
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.patch = c.patch_size
+        self.patch_embed = nn.Linear(3 * c.patch_size ** 2, c.hidden_size)
+        self.position_embedding = nn.Parameter(torch.zeros(c.image_tokens, c.hidden_size))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, pixels_NCHW: torch.Tensor) -> torch.Tensor:
+        N, C, H, W = pixels_NCHW.shape
+        p = self.patch
+        x = pixels_NCHW.unfold(2, p, p).unfold(3, p, p)  # N C H/p W/p p p
+        x = x.permute(0, 2, 3, 1, 4, 5).reshape(N, -1, C * p * p)
+        return self.norm(self.patch_embed(x) + self.position_embedding)
+
+
+class TinyCore(nn.Module):
+    def __init__(self, c: TinyConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.vision_tower = VisionTower(c)
+        self.multi_modal_projector = nn.Linear(c.hidden_size, c.hidden_size)
+
+
+class TinyForCausalLM(nn.Module):
+    def __init__(self, config: TinyConfig):
+        super().__init__()
+        self.config = config
+        self.model = TinyCore(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.image_id = ByteTokenizer().image_id
+
+    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]. Each image fills the next run of ``<|image|>`` tokens."""
+        x = self.model.embed_tokens(input_ids_BT)
+        slots = input_ids_BT == self.image_id
+        n_slots = int(slots.sum())
+        if n_slots:
+            if pixels_NCHW is None or pixels_NCHW.shape[0] * self.config.image_tokens != n_slots:
+                have = 0 if pixels_NCHW is None else pixels_NCHW.shape[0]
+                raise ValueError(f"{n_slots} image tokens but {have} images of {self.config.image_tokens} tokens")
+            img = self.model.multi_modal_projector(self.model.vision_tower(pixels_NCHW.to(x.dtype)))
+            x = x.masked_scatter(slots.unsqueeze(-1), img.reshape(-1, x.shape[-1]).to(x.dtype))
+        for layer in self.model.layers:
+            x = layer(x)
+        return self.lm_head(self.model.norm(x))
+
+
+def init_weights(model: TinyForCausalLM, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    std = model.config.initializer_range
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            p.data.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.data.zero_()
+        else:
+            p.data.normal_(0.0, std, generator=g)
+    for layer in model.model.layers:  # residual branches scaled by depth (GPT-2's rule)
+        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            lin.weight.data.mul_(1 / math.sqrt(2 * model.config.num_hidden_layers))
+
+
+def save_pretrained(model: TinyForCausalLM, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({**asdict(model.config), "architectures": ["KilnTinyForCausalLM"]}, indent=2))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+
+
+def load_pretrained(folder: Path) -> TinyForCausalLM:
+    """Build on the meta device, then take the tensors from the safetensors file as they are."""
+    raw = json.loads((folder / "config.json").read_text())
+    fields = TinyConfig.__dataclass_fields__
+    config = TinyConfig(**{k: v for k, v in raw.items() if k in fields})
+    with torch.device("meta"):
+        model = TinyForCausalLM(config)
+    state = load_file(str(folder / "model.safetensors"))
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise ValueError(f"{folder}: checkpoint lacks {sorted(missing)[:5]}")
+    model.load_state_dict(state, assign=True, strict=True)
+    return model
+
+
+BUILTIN_SEED = 20261202
+
+
+def ensure_builtin(name: str, folder: Path) -> None:
+    """Create the built-in model's files once (a fixed seed: every machine gets the same weights)."""
+    if (folder / "config.json").exists() or name != "kiln-tiny":
+        return
+    model = TinyForCausalLM(TinyConfig())
+    init_weights(model, BUILTIN_SEED)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{name}-"))
+    save_pretrained(model, tmp)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another worker made it first
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,193 @@
+"""The training loop: LoRA, AdamW, warmup + cosine, clipping, checkpoints, exact resume.
+
+Resume is exact: a checkpoint holds the adapter, the optimizer and scheduler state, the step and
+the RNG state, and the batches of an epoch depend only on (seed, epoch), so a resumed run makes
+the same steps the uninterrupted run would have made.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import time
+import zipfile
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.data import IGNORE, Sample, collate, epoch_order, load_samples
+from engine.lora import apply_lora, load_adapter, save_adapter
+from engine.spec import JobSpec, Reporter, Store, TrainResult
+from engine.tiny_model import TinyForCausalLM, ensure_builtin, load_pretrained
+from engine.tokenizer import ByteTokenizer
+
+BASE_LR = 2e-3  # LoRA on kiln-tiny; the multiplier scales it
+
+
+@dataclass
+class Resolved:
+    n_epochs: int
+    batch_size: int
+    learning_rate_multiplier: float
+    learning_rate: float
+    total_steps: int
+    steps_per_epoch: int
+    checkpoint_interval: int
+    warmup_steps: int
+
+    def public(self) -> dict:
+        return {"n_epochs": self.n_epochs, "batch_size": self.batch_size,
+                "learning_rate_multiplier": self.learning_rate_multiplier, "learning_rate": self.learning_rate,
+                "total_steps": self.total_steps, "checkpoint_interval": self.checkpoint_interval}
+
+
+def resolve(spec: JobSpec, n_examples: int) -> Resolved:
+    bs = spec.batch_size if spec.batch_size != "auto" else max(1, min(8, n_examples // 8))
+    bs = min(bs, n_examples)
+    epochs = spec.n_epochs if spec.n_epochs != "auto" else 3
+    mult = spec.learning_rate_multiplier if spec.learning_rate_multiplier != "auto" else 1.0
+    per_epoch = math.ceil(n_examples / bs)
+    total = per_epoch * epochs
+    if spec.max_steps:
+        total = min(total, spec.max_steps)
+    interval = spec.checkpoint_interval or per_epoch
+    return Resolved(epochs, bs, float(mult), BASE_LR * mult, total, per_epoch, interval,
+                    int(total * spec.warmup_ratio))
+
+
+def lr_lambda(warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))  # cosine down to 10%
+    return f
+
+
+def batch_loss(model: TinyForCausalLM, batch: dict, device: torch.device) -> tuple[torch.Tensor, int, int]:
+    """Mean cross-entropy over target tokens, the target count, and how many were argmax-right."""
+    ids = batch["input_ids_BT"].to(device)
+    labels = batch["labels_BT"].to(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(ids, batch["pixels_NCHW"].to(device))
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    n = int((labels != IGNORE).sum())
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum") / max(n, 1)
+    right = int(((logits.argmax(-1) == labels) & (labels != IGNORE)).sum())
+    return loss, n, right
+
+
+@torch.no_grad()
+def evaluate(model: TinyForCausalLM, samples: list[Sample], bs: int, pad: int, device: torch.device) -> dict:
+    was = model.training
+    model.eval()
+    total, n, right = 0.0, 0, 0
+    for i in range(0, len(samples), bs):
+        loss, k, r = batch_loss(model, collate(samples[i:i + bs], pad), device)
+        total, n, right = total + float(loss) * k, n + k, right + r
+    model.train(was)
+    return {"valid_loss": total / max(n, 1), "valid_mean_token_accuracy": right / max(n, 1)}
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _save_checkpoint(store: Store, key: str, model, spec: JobSpec, opt, sched, step: int, tokens: int) -> None:
+    with store.publish_dir(key) as folder:
+        save_adapter(model, spec.lora, spec.model, folder)
+        torch.save({"step": step, "tokens": tokens, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "rng": torch.get_rng_state()}, folder / "trainer_state.pt")
+
+
+def _model_card(spec: JobSpec, hp: Resolved, metrics: dict) -> str:
+    lines = [f"# LoRA adapter for {spec.model}", "", f"Trained by Kiln job `{spec.job_id}`.", "",
+             "```python", "from peft import PeftModel", "model = PeftModel.from_pretrained(base_model, 'this-folder')", "```", "",
+             "| setting | value |", "| --- | --- |"]
+    for k, v in {**hp.public(), "lora_rank": spec.lora.rank, "lora_alpha": spec.lora.alpha,
+                 "target_modules": ", ".join(spec.lora.target_modules), **metrics}.items():
+        lines.append(f"| {k} | {v} |")
+    return "\n".join(lines) + "\n"
+
+
+def train(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model_dir = store.model_dir(spec.model)
+    ensure_builtin(spec.model, model_dir)
+    if not (model_dir / "config.json").exists():
+        raise ValueError(f"base model {spec.model!r} has no weights in {model_dir}")
+    model = load_pretrained(model_dir)
+    cfg, tok = model.config, ByteTokenizer()
+    max_len = min(spec.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+    reporter.message("Reading and tokenising the dataset")
+    train_set = load_samples(spec.training_file, spec.images_file, tok, cfg.image_size, cfg.image_tokens, max_len)
+    valid_set = (load_samples(spec.validation_file, spec.images_file, tok, cfg.image_size, cfg.image_tokens, max_len)
+                 if spec.validation_file else [])
+    hp = resolve(spec, len(train_set))
+
+    torch.manual_seed(spec.seed)
+    apply_lora(model, spec.lora)
+    model.to(device).train()
+    total_params = sum(p.numel() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n_train = sum(p.numel() for p in trainable)
+    reporter.message(f"Model {spec.model}: {total_params:,} parameters, LoRA trains {n_train:,} "
+                     f"({100 * n_train / total_params:.2f}%); {len(train_set)} training examples, "
+                     f"{len(valid_set)} validation examples, {hp.total_steps} steps on {device.type}",
+                     data={"total_parameters": total_params, "trainable_parameters": n_train})
+    reporter.resolved(hp.public())
+
+    opt = torch.optim.AdamW(trainable, lr=hp.learning_rate, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(hp.warmup_steps, hp.total_steps))
+    step, tokens = 0, 0
+    if spec.resume_from:
+        folder = store.path(spec.resume_from)
+        load_adapter(model, folder)
+        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        step, tokens = state["step"], state["tokens"]
+        reporter.message(f"Resumed from the checkpoint at step {step}", data={"step": step})
+
+    pad, metrics = tok.pad_id, {}
+    while step < hp.total_steps:
+        reason = reporter.should_stop()
+        if reason:
+            return TrainResult("stopped", trained_tokens=tokens, stop_reason=reason, final_metrics=metrics)
+        t0 = time.perf_counter()
+        epoch, index = divmod(step, hp.steps_per_epoch)
+        batch = collate([train_set[i] for i in epoch_order(len(train_set), hp.batch_size, spec.seed, epoch)[index]], pad)
+        loss, n, right = batch_loss(model, batch, device)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        seen = int((batch["input_ids_BT"] != pad).sum())
+        tokens += seen
+        metrics = {"step": step, "total_steps": hp.total_steps, "epoch": epoch + 1, "train_loss": float(loss.detach()),
+                   "train_mean_token_accuracy": right / max(n, 1), "learning_rate": sched.get_last_lr()[0],
+                   "grad_norm": float(grad_norm), "tokens_per_second": seen / (time.perf_counter() - t0),
+                   "trained_tokens": tokens, "peak_memory_mb": peak_memory_mb(device)}
+        is_ckpt = step % hp.checkpoint_interval == 0 or step == hp.total_steps
+        if is_ckpt and valid_set:
+            metrics.update(evaluate(model, valid_set, hp.batch_size, pad, device))
+        reporter.metrics(step, metrics)
+        if is_ckpt:
+            key = f"{spec.artifacts}/checkpoints/step-{step:07d}"
+            _save_checkpoint(store, key, model, spec, opt, sched, step, tokens)
+            reporter.checkpoint(step, key, {k: v for k, v in metrics.items() if "loss" in k or "accuracy" in k})
+
+    adapter_key = f"{spec.artifacts}/adapter.zip"
+    final = store.path(f"{spec.artifacts}/checkpoints/step-{step:07d}")
+    with store.publish_file(adapter_key) as path:
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                zf.write(final / name, name)
+            zf.writestr("README.md", _model_card(spec, hp, {k: round(v, 4) for k, v in metrics.items() if "loss" in k}))
+    return TrainResult("succeeded", adapter_key=adapter_key, trained_tokens=tokens, final_metrics=metrics)

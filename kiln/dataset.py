@@ -1,0 +1,308 @@
+"""The chat dataset format: parse, normalise and check one JSONL line at a time.
+
+Accepted per line (one JSON object):
+- LLaMA-Factory / MindSpeed-MM form: ``{"images": ["images/a.png"], "messages": [{"role": "user",
+  "content": "<image>\\nHow many?"}, {"role": "assistant", "content": "1"}]}``
+- OpenAI chat fine-tuning form: ``content`` as a list of ``{"type": "text", "text": ...}`` and
+  ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` parts.
+- Plain text chats: the first form without images.
+
+Both normalise to :class:`Example`: string contents with one ``<image>`` placeholder per image and
+the images as references (a path relative to the dataset root, or a ``data:`` URL). Every problem
+is an :class:`Issue` naming the line (1-based) and the field, e.g. ``messages[1].role``.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import posixpath
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+IMAGE_TOKEN = "<image>"
+ROLES = ("system", "user", "assistant")
+_DATA_URL = re.compile(r"^data:image/(png|jpeg|jpg|webp|gif|bmp);base64,(.*)$", re.S)
+
+
+@dataclass(frozen=True)
+class Issue:
+    line: int
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"line {self.line}" if self.line else "file"
+        return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
+
+
+class DatasetError(ValueError):
+    """A dataset problem; ``issues`` name line and field."""
+
+    def __init__(self, issues: list[Issue]):
+        self.issues = issues
+        more = f" (and {len(issues) - 5} more)" if len(issues) > 5 else ""
+        super().__init__("; ".join(str(i) for i in issues[:5]) + more)
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+    weight: int = 1  # 0: shown to the model, not learned (OpenAI's per-message weight)
+
+
+@dataclass
+class Example:
+    line: int
+    messages: list[Message]
+    images: list[str]  # relative paths or data: URLs, in placeholder order
+
+
+@dataclass
+class Report:
+    examples: int = 0
+    messages: int = 0
+    images: int = 0
+    characters: int = 0
+    max_characters: int = 0
+    issues: list[Issue] = field(default_factory=list)
+    truncated: bool = False  # more issues than were kept
+
+    @property
+    def ok(self) -> bool:
+        return not self.issues
+
+    def stats(self) -> dict:
+        return {"examples": self.examples, "messages": self.messages, "images": self.images,
+                "characters": self.characters, "max_example_characters": self.max_characters}
+
+
+def image_ref_problem(ref: object) -> str | None:
+    """Why an image reference is unusable, or None. Paths may not leave the dataset root."""
+    if not isinstance(ref, str) or not ref:
+        return "must be a non-empty string (a relative path or a data: URL)"
+    if ref.startswith("data:"):
+        m = _DATA_URL.match(ref)
+        if not m:
+            return "data URL must look like data:image/png;base64,..."
+        try:
+            base64.b64decode(m.group(2), validate=True)
+        except (binascii.Error, ValueError):
+            return "data URL holds invalid base64"
+        return None
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", ref):
+        return "remote image URLs are not fetched: inline the image as a data: URL or upload it in a zip"
+    norm = posixpath.normpath(ref.replace("\\", "/"))
+    if ref.startswith(("/", "\\")) or re.match(r"^[a-zA-Z]:", ref) or norm == ".." or norm.startswith("../"):
+        return f"path {ref!r} escapes the dataset root"
+    return None
+
+
+def decode_data_url(ref: str) -> bytes:
+    m = _DATA_URL.match(ref)
+    assert m, ref
+    return base64.b64decode(m.group(2))
+
+
+def _content_parts(content: list, where: str, issues: list[Issue], line: int) -> tuple[str, list[str]]:
+    text, images = [], []
+    for j, part in enumerate(content):
+        pw = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            issues.append(Issue(line, pw, "content part must be an object"))
+            continue
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                issues.append(Issue(line, f"{pw}.text", "must be a string"))
+                continue
+            text.append(part["text"])
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                issues.append(Issue(line, f"{pw}.image_url.url", "must be a string"))
+                continue
+            text.append(IMAGE_TOKEN)
+            images.append(url)
+        else:
+            issues.append(Issue(line, f"{pw}.type", f"unknown content part type {kind!r}; expected 'text' or 'image_url'"))
+    return "".join(text), images
+
+
+def parse_line(line: int, raw: bytes | str, max_line_bytes: int = 8 << 20) -> tuple[Example | None, list[Issue]]:
+    """Parse one JSONL line into an Example, or return the issues that stop it."""
+    size = len(raw)
+    if size > max_line_bytes:
+        return None, [Issue(line, "", f"line is {size} bytes, over the limit of {max_line_bytes}")]
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, [Issue(line, "", f"invalid JSON: {e}")]
+    if not isinstance(obj, dict):
+        return None, [Issue(line, "", "each line must be a JSON object")]
+    issues: list[Issue] = []
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        return None, [Issue(line, "messages", "must be a non-empty list of messages")]
+    images = obj.get("images", [])
+    if not isinstance(images, list):
+        issues.append(Issue(line, "images", "must be a list of image paths"))
+        images = []
+    part_images: list[str] = []
+    messages: list[Message] = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            issues.append(Issue(line, where, "must be an object with role and content"))
+            continue
+        role = m.get("role")
+        if role not in ROLES:
+            issues.append(Issue(line, f"{where}.role", f"unknown role {role!r}; expected one of {', '.join(ROLES)}"))
+        content = m.get("content")
+        if isinstance(content, list):
+            content, found = _content_parts(content, f"{where}.content", issues, line)
+            part_images += found
+        elif not isinstance(content, str):
+            issues.append(Issue(line, f"{where}.content", "must be a string or a list of content parts"))
+            content = ""
+        weight = m.get("weight", 1)
+        if weight not in (0, 1) or isinstance(weight, bool):
+            issues.append(Issue(line, f"{where}.weight", "must be 0 or 1"))
+            weight = 1
+        if role == "assistant":
+            if not content.strip():
+                issues.append(Issue(line, f"{where}.content", "empty assistant turn"))
+            if IMAGE_TOKEN in content:
+                issues.append(Issue(line, f"{where}.content", f"{IMAGE_TOKEN} belongs in user or system messages"))
+        messages.append(Message(str(role), content, int(weight)))
+    if part_images and images:
+        issues.append(Issue(line, "images", "give images either as the images list or as image_url parts, not both"))
+    images = images or part_images
+    placeholders = sum(m.content.count(IMAGE_TOKEN) for m in messages)
+    if placeholders != len(images):
+        issues.append(Issue(line, "images", f"{placeholders} {IMAGE_TOKEN} placeholder(s) but {len(images)} image(s)"))
+    for k, ref in enumerate(images):
+        problem = image_ref_problem(ref)
+        if problem:
+            issues.append(Issue(line, f"images[{k}]", problem))
+    if not any(m.role == "assistant" and m.weight for m in messages):
+        issues.append(Issue(line, "messages", "no assistant message to learn from"))
+    if issues:
+        return None, issues
+    return Example(line, messages, [str(r) for r in images]), []
+
+
+def iter_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    """Number the lines (1-based) and skip blank ones."""
+    for n, raw in enumerate(lines, 1):
+        if raw.strip():
+            yield n, raw
+
+
+def validate(lines: Iterable[bytes], check_image: Callable[[str], str | None] | None = None,
+             max_line_bytes: int = 8 << 20, max_issues: int = 100) -> Report:
+    """Check every line; ``check_image(ref)`` says why a referenced image is missing or unreadable."""
+    report = Report()
+
+    def add(issue: Issue) -> None:
+        if len(report.issues) < max_issues:
+            report.issues.append(issue)
+        else:
+            report.truncated = True
+
+    for n, raw in iter_lines(lines):
+        ex, issues = parse_line(n, raw, max_line_bytes)
+        for issue in issues:
+            add(issue)
+        if ex is None:
+            continue
+        if check_image is not None:
+            for k, ref in enumerate(ex.images):
+                problem = check_image(ref)
+                if problem:
+                    add(Issue(n, f"images[{k}]", problem))
+        chars = sum(len(m.content) for m in ex.messages)
+        report.examples += 1
+        report.messages += len(ex.messages)
+        report.images += len(ex.images)
+        report.characters += chars
+        report.max_characters = max(report.max_characters, chars)
+    if report.examples == 0 and not report.issues:
+        add(Issue(0, "", "the dataset holds no examples"))
+    return report
+
+
+class DatasetSource:
+    """Where a dataset's lines and images come from: a JSONL file or a zip holding one, plus an
+    optional zip of images beside it. Image paths resolve against the JSONL's folder."""
+
+    def __init__(self, data: Path, images_zip: Path | None = None):
+        self.data = Path(data)
+        self._zip = zipfile.ZipFile(self.data) if zipfile.is_zipfile(self.data) else None
+        self._images = zipfile.ZipFile(images_zip) if images_zip else None
+        self.jsonl_member = self._find_jsonl() if self._zip else None
+
+    def _find_jsonl(self) -> str:
+        names = [n for n in self._zip.namelist() if n.endswith(".jsonl") and not n.startswith("__MACOSX/")]
+        if not names:
+            raise DatasetError([Issue(0, "", "the archive holds no .jsonl file")])
+        if len(names) > 1:
+            preferred = [n for n in names if posixpath.basename(n) == "train.jsonl"]
+            if len(preferred) != 1:
+                raise DatasetError([Issue(0, "", f"the archive holds several .jsonl files ({', '.join(names[:5])}): keep one or name it train.jsonl")])
+            names = preferred
+        return names[0]
+
+    def lines(self) -> Iterator[bytes]:
+        if self._zip:
+            with self._zip.open(self.jsonl_member) as f:
+                yield from f
+        else:
+            with open(self.data, "rb") as f:
+                yield from f
+
+    def _lookup(self, ref: str) -> tuple[zipfile.ZipFile, str] | None:
+        ref = posixpath.normpath(ref.replace("\\", "/"))
+        if self._zip:
+            root = posixpath.dirname(self.jsonl_member)
+            name = posixpath.join(root, ref) if root else ref
+            if name in self._zip.NameToInfo:
+                return self._zip, name
+        if self._images:
+            names = self._images.NameToInfo
+            if ref in names:
+                return self._images, ref
+            tops = {n.split("/", 1)[0] for n in names if "/" in n}
+            if len(tops) == 1:  # a zip of a folder: "dataset/images/a.png" for "images/a.png"
+                name = f"{tops.pop()}/{ref}"
+                if name in names:
+                    return self._images, name
+        return None
+
+    def has_image(self, ref: str) -> bool:
+        return ref.startswith("data:") or self._lookup(ref) is not None
+
+    def read_image(self, ref: str) -> bytes:
+        if ref.startswith("data:"):
+            return decode_data_url(ref)
+        found = self._lookup(ref)
+        if found is None:
+            raise KeyError(ref)
+        archive, name = found
+        return archive.read(name)
+
+    def missing_image_message(self, ref: str) -> str:
+        if self._zip is None and self._images is None:
+            return (f"image {ref!r} not found: upload the images as a zip and pass it as images_file, "
+                    "or upload one zip holding the JSONL and its images")
+        return f"image {ref!r} not found in the uploaded archive"
+
+    def close(self) -> None:
+        for z in (self._zip, self._images):
+            if z:
+                z.close()
