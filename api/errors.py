@@ -39,8 +39,14 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+_UNION_TAGS = {"int", "float", "str", "bool", "list", "dict", "none"}
+
+
 def _field(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    """``("body", "lora", "target_modules", 0)`` -> ``lora.target_modules[0]``; union branch tags
+    that pydantic adds (``literal['auto']``, ``int``) are dropped."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")
+             and not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
@@ -54,11 +60,14 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
-        param = _field(tuple(first.get("loc", ())))
-        msgs = [f"{_field(tuple(e.get('loc', ()))) or 'body'}: {e.get('msg')}" for e in errs[:5]]
-        return error_response(400, "; ".join(msgs), param=param or None, code="invalid_request")
+        by_field: dict[str, list[str]] = {}
+        for e in exc.errors():  # the branches of a union ('auto' or an int >= 1) join with "or"
+            msgs = by_field.setdefault(_field(tuple(e.get("loc", ()))), [])
+            if e.get("msg") not in msgs:
+                msgs.append(e.get("msg"))
+        text = "; ".join(f"{f or 'body'}: {' or '.join(m)}" for f, m in list(by_field.items())[:5])
+        param = next(iter(by_field), "") or None
+        return error_response(400, text or "invalid request", param=param, code="invalid_request")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):

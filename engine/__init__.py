@@ -8,7 +8,7 @@ from engine.spec import JobSpec, LoraSpec, Reporter, Store, TrainResult
 
 
 def train(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
-    from engine.train import train as _train
+    from engine.trainer import train as _train
 
     return _train(spec, store, reporter)
 

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.stack import REDIS_URL, Stack, create_pg_database, drop_pg_database
+
+SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample"
+
+
+@pytest.fixture(scope="session")
+def sample() -> Path:
+    return SAMPLE
+
+
+@pytest.fixture(scope="module")
+def pg_stack(tmp_path_factory):
+    """Production layout: PostgreSQL + Redis, a fresh database for this module."""
+    name, url = create_pg_database()
+    stack = Stack(tmp_path_factory.mktemp("pg"), url, REDIS_URL, max_upload_bytes=2_000_000)
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+        drop_pg_database(name)
+
+
+@pytest.fixture(scope="module")
+def sqlite_stack(tmp_path_factory):
+    """Embedded defaults: SQLite and Celery over SQLite, no server but ours."""
+    home = tmp_path_factory.mktemp("embedded")
+    stack = Stack(home, f"sqlite:///{home / 'kiln.sqlite'}", f"sqla+sqlite:///{home / 'broker.sqlite'}")
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+def wait_for(predicate, timeout: float = 120, interval: float = 0.3, what: str = "condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def unique() -> str:
+    return uuid.uuid4().hex[:8]

@@ -1,0 +1,119 @@
+"""Start the real service for a test: a fresh database, the API under uvicorn and Celery worker
+processes, each a separate OS process talking over real sockets."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def create_pg_database() -> tuple[str, str]:
+    name = f"kiln_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    return name, f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+
+
+def drop_pg_database(name: str) -> None:
+    with psycopg.connect(PG_ADMIN, autocommit=True) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class Stack:
+    """One deployment: database URL, broker URL, home folder, API process, worker processes."""
+
+    def __init__(self, home: Path, database_url: str, broker_url: str, **settings: str):
+        self.home = home
+        self.env = {**os.environ, "KILN_HOME": str(home), "KILN_DATABASE_URL": database_url,
+                    "KILN_BROKER_URL": broker_url, "KILN_QUEUE": f"kiln-test-{uuid.uuid4().hex[:8]}",
+                    "KILN_LEASE_SECONDS": "6", "KILN_HEARTBEAT_SECONDS": "1", "KILN_REAPER_SECONDS": "1",
+                    "PYTHONUNBUFFERED": "1", **{f"KILN_{k.upper()}": str(v) for k, v in settings.items()}}
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen] = []
+        self.keys: dict[str, str] = {}
+        self.logs = home / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def store(self) -> Path:
+        return self.home / "store"
+
+    def admin(self, *args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "api.admin", *args], env=self.env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "ab")
+        return subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def start(self, workers: int = 1) -> "Stack":
+        self.admin("migrate")
+        for owner in ("alice", "bob"):
+            self.keys[owner] = self.admin("create-key", "--owner", owner, "--name", "test")
+        self.api = self._spawn("api", [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app",
+                                       "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"])
+        for _ in range(workers):
+            self.start_worker()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("API did not start: " + (self.logs / "api.log").read_text()[-2000:])
+
+    def start_worker(self) -> subprocess.Popen:
+        n = len(self.workers)
+        w = self._spawn(f"worker{n}", [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
+                                       "--pool=solo", "--loglevel=INFO", "-Q", self.env["KILN_QUEUE"],
+                                       "-n", f"w{n}-{uuid.uuid4().hex[:6]}@%h", "--without-gossip",
+                                       "--without-mingle", "--without-heartbeat"])
+        self.workers.append(w)
+        return w
+
+    def kill_worker(self, w: subprocess.Popen) -> None:
+        os.killpg(w.pid, signal.SIGKILL)
+        w.wait(timeout=30)
+
+    def client(self, owner: str = "alice", **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {self.keys[owner]}"},
+                            timeout=kw.pop("timeout", 60), **kw)
+
+    def log(self, name: str) -> str:
+        p = self.logs / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else ""
+
+    def stop(self) -> None:
+        for p in [*self.workers, self.api]:
+            if p and p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in [*self.workers, self.api]:
+            if p:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
