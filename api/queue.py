@@ -20,7 +20,10 @@ log = logging.getLogger("kiln.queue")
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("kiln", broker=settings.resolved_broker_url())
+    broker = settings.resolved_broker_url()
+    # Kombu's SQLAlchemy transport hands its options to create_engine: Redis options only for Redis.
+    options = {"visibility_timeout": 7 * 24 * 3600} if broker.startswith(("redis", "rediss")) else {}
+    app = Celery("kiln", broker=broker)
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,
@@ -30,7 +33,7 @@ def make_celery(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": 7 * 24 * 3600, "polling_interval": 0.5},
+        broker_transport_options=options,
         task_publish_retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5},
         worker_hijack_root_logger=False,
     )

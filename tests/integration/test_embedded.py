@@ -1,0 +1,34 @@
+"""The embedded defaults (SQLite database, Celery over SQLite, local store) run the same path
+with no server but ours: the layout README's first command uses."""
+from __future__ import annotations
+
+import io
+import zipfile
+
+import openai
+
+from tests.conftest import wait_for
+
+
+def test_embedded_end_to_end(sqlite_stack, sample):
+    oai = openai.OpenAI(base_url=f"{sqlite_stack.base_url}/v1", api_key=sqlite_stack.keys["alice"], max_retries=0)
+    # One archive holding the JSONL and its images, the other accepted layout.
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf, zipfile.ZipFile(sample / "images.zip") as images:
+        zf.writestr("shapes/train.jsonl", (sample / "train.jsonl").read_bytes())
+        for name in images.namelist():
+            zf.writestr(f"shapes/{name}", images.read(name))
+    train = oai.files.create(file=("shapes.zip", buf.getvalue()), purpose="fine-tune")
+    assert train.model_extra["stats"]["images"] > 0
+    job = oai.fine_tuning.jobs.create(model="kiln-tiny", training_file=train.id,
+                                      hyperparameters={"n_epochs": 1, "batch_size": 8})
+    done = wait_for(lambda: (j := oai.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed") and j,
+                    timeout=240, what="embedded job")
+    assert done.status == "succeeded", done.error
+    with sqlite_stack.client() as c:
+        r = c.get(f"/v1/fine_tuning/jobs/{job.id}/adapter")
+    assert r.status_code == 200
+    assert "adapter_model.safetensors" in zipfile.ZipFile(io.BytesIO(r.content)).namelist()
+    assert "Connected to sqla+sqlite" in sqlite_stack.log("worker0")
+
+
