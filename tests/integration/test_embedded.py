@@ -32,3 +32,18 @@ def test_embedded_end_to_end(sqlite_stack, sample):
     assert "Connected to sqla+sqlite" in sqlite_stack.log("worker0")
 
 
+
+
+def test_quickstart_driver_runs_against_the_embedded_stack(sqlite_stack, tmp_path):
+    """README's first command ends in scripts/quickstart.py: it must keep working."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "adapter.zip"
+    run = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts" / "quickstart.py"),
+                          "--base-url", sqlite_stack.base_url, "--api-key", sqlite_stack.keys["bob"],
+                          "--out", str(out), "--epochs", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "The job has successfully completed" in run.stdout and "adapter saved to" in run.stdout
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(zipfile.ZipFile(out).namelist())

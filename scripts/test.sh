@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install Kiln with its test dependencies, make sure PostgreSQL and Redis answer on 127.0.0.1,
+# and run the whole test suite (unit, and integration against real processes and services).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v pg_isready >/dev/null || ! command -v redis-server >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql redis-server >/dev/null
+fi
+if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+  pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start
+fi
+if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
+  mkdir -p /var/lib/redis /var/log/redis
+  redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+    --dir /var/lib/redis --logfile /var/log/redis/ci.log
+fi
+for _ in $(seq 30); do pg_isready -q -h 127.0.0.1 && redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && break; sleep 1; done
+source scripts/setup_env.sh server,engine,dev
+exec .venv/bin/python -m pytest "$@"
