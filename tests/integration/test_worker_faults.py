@@ -103,3 +103,16 @@ def test_cancel_queued_job_never_trains(pg_stack, dataset):
         wait_for(lambda: status(c, other["id"])["status"] == "succeeded", timeout=180, what="the next job")
         assert status(c, job["id"])["status"] == "cancelled"
         assert not [e for e in metrics(c, job["id"]) if e["type"] == "metrics"]
+
+
+def test_dataset_problem_found_by_the_engine_fails_the_job_naming_line_and_field(pg_stack, dataset):
+    with pg_stack.client() as c:
+        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset,
+                                                   "hyperparameters": {"max_seq_len": 40}}).json()
+        done = wait_for(lambda: (j := status(c, job["id"]))["status"] in ("failed", "succeeded") and j, what="job")
+        assert done["status"] == "failed"
+        assert done["error"]["code"] == "invalid_training_file" and done["error"]["param"] == "training_file"
+        assert "line 1: messages: example is" in done["error"]["message"]
+        assert "over max_seq_len 40" in done["error"]["message"]
+        levels = [(e["level"], e["message"][:14]) for e in metrics(c, job["id"])]
+        assert ("error", "Dataset error:") in levels
