@@ -30,12 +30,15 @@ def create_key(session: Session, owner: str, name: str = "") -> tuple[ApiKey, st
     return key, secret
 
 
-def revoke_key(session: Session, key_id: str) -> bool:
-    key = session.scalar(select(ApiKey).where(ApiKey.id == key_id))
-    if key is None:
-        return False
-    key.revoked_at = key.revoked_at or now()
-    return True
+def revoke_key(session: Session, key_id: str, owner: str | None = None) -> ApiKey | None:
+    """Revoke a key (only the owner's, when ``owner`` is given). None if there is no such key."""
+    stmt = select(ApiKey).where(ApiKey.id == key_id)
+    if owner is not None:
+        stmt = stmt.where(ApiKey.owner == owner)
+    key = session.scalar(stmt)
+    if key is not None:
+        key.revoked_at = key.revoked_at or now()
+    return key
 
 
 def current_owner(request: Request, session: Session = Depends(get_session)) -> str:

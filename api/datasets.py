@@ -77,7 +77,9 @@ def raise_if_bad(report: Report, param: str, what: str) -> None:
     shown = "; ".join(str(i) for i in report.issues[:10])
     more = len(report.issues) - 10
     tail = f" (and {more}{'+' if report.truncated else ''} more)" if more > 0 or report.truncated else ""
-    raise ApiError(400, f"Invalid {what}: {shown}{tail}", param=param, code=f"invalid_{param}")
+    issues = [{"line": i.line, "field": i.field, "message": i.message} for i in report.issues]
+    raise ApiError(400, f"Invalid {what}: {shown}{tail}", param=param, code=f"invalid_{param}",
+                   extra={"issues": issues, "issues_truncated": report.truncated})
 
 
 __all__ = ["check_archive", "check_dataset", "open_source", "raise_if_bad", "Issue"]

@@ -1,6 +1,6 @@
 """Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
 
-FastAPI's own 422 body is rewritten into this shape too. Client errors carry
+FastAPI's own 422 body is rewritten into this shape too. Client errors other than 408 and 429 carry
 ``x-should-retry: false`` so the OpenAI SDK does not retry what cannot succeed.
 """
 from __future__ import annotations
@@ -20,9 +20,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 extra: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.extra = extra or {}  # more fields inside "error", e.g. a dataset's "issues"
 
 
 def not_found(kind: str, id: str, param: str | None = None) -> ApiError:
@@ -30,11 +32,11 @@ def not_found(kind: str, id: str, param: str | None = None) -> ApiError:
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-                      "param": param, "code": code}}
+                   headers: dict | None = None, extra: dict | None = None) -> JSONResponse:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code, **(extra or {})}}
     headers = dict(headers or {})
-    if 400 <= status < 500 and status not in (408, 409, 429):
+    if 400 <= status < 500 and status not in (408, 429):  # our 409s (finished job, adapter not ready) are final
         headers.setdefault("x-should-retry", "false")
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -56,7 +58,7 @@ def _field(loc: tuple) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.param, exc.code)
+        return error_response(exc.status, exc.message, exc.param, exc.code, extra=exc.extra)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError):

@@ -1,5 +1,12 @@
-"""Kiln's Python package for clients: dataset checks that run before an upload.
+"""Kiln's Python SDK and command line. Imports neither torch nor the server.
 
-It imports neither torch nor the server, so a client installs it alone.
+    from kiln import Client
 """
+from kiln.client import Client, Page
+from kiln.errors import (APIConnectionError, APIStatusError, AuthenticationError, BadRequestError, ConflictError,
+                         InternalServerError, KilnError, NotFoundError, PayloadTooLargeError, RateLimitError)
+
 __version__ = "0.1.0"
+__all__ = ["Client", "Page", "KilnError", "APIConnectionError", "APIStatusError", "AuthenticationError",
+           "BadRequestError", "ConflictError", "InternalServerError", "NotFoundError", "PayloadTooLargeError",
+           "RateLimitError"]

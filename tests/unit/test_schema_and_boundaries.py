@@ -49,5 +49,6 @@ def test_api_starts_without_torch_and_sdk_without_server():
     code = ("import sys, api.app; api.app.create_app(); import kiln.dataset; "
             "bad = [m for m in ('torch', 'engine', 'workers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
-    code = "import sys, kiln.dataset; bad = [m for m in ('fastapi', 'sqlalchemy', 'torch') if m in sys.modules]; assert not bad, bad"
+    code = ("import sys, kiln, kiln.cli, kiln.dataset; "
+            "bad = [m for m in ('fastapi', 'sqlalchemy', 'torch', 'api') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

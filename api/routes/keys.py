@@ -1,0 +1,47 @@
+"""/v1/keys: an owner lists, creates and revokes their own API keys. The secret of a new key is
+returned once; only its hash is stored."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.auth import create_key, current_owner, revoke_key
+from api.deps import get_session
+from api.errors import not_found
+from api.models import ApiKey
+
+router = APIRouter(prefix="/v1/keys")
+
+
+class KeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("", max_length=200)
+
+
+def key_public(k: ApiKey) -> dict:
+    return {"id": k.id, "object": "api_key", "name": k.name, "prefix": k.prefix, "created_at": k.created_at,
+            "revoked_at": k.revoked_at}
+
+
+@router.get("")
+def list_keys(owner: str = Depends(current_owner), session: Session = Depends(get_session)):
+    keys = session.scalars(select(ApiKey).where(ApiKey.owner == owner).order_by(ApiKey.pk))
+    return {"object": "list", "data": [key_public(k) for k in keys], "has_more": False}
+
+
+@router.post("")
+def new_key(req: KeyCreate, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
+    key, secret = create_key(session, owner, req.name)
+    session.commit()
+    return {**key_public(key), "secret": secret}
+
+
+@router.delete("/{key_id}")
+def revoke(key_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
+    key = revoke_key(session, key_id, owner)
+    if key is None:
+        raise not_found("API key", key_id)
+    session.commit()
+    return key_public(key)
