@@ -3,8 +3,13 @@
 # and run the whole test suite (unit, and integration against real processes and services).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v pg_isready >/dev/null || ! command -v redis-server >/dev/null; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql redis-server >/dev/null
+# Debian packages: the services, and Chromium for the browser tests of the monitoring page.
+need=""
+command -v pg_isready >/dev/null || need="$need postgresql"
+command -v redis-server >/dev/null || need="$need redis-server"
+command -v chromium >/dev/null || need="$need chromium"
+if [ -n "$need" ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $need >/dev/null
 fi
 if ! pg_isready -q -h 127.0.0.1 -p 5432; then
   pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start
