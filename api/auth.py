@@ -9,7 +9,7 @@ from fastapi import Depends, Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.deps import get_session
+from api.deps import get_rate_limiter, get_session
 from api.errors import ApiError
 from api.models import ApiKey, now
 
@@ -42,6 +42,7 @@ def revoke_key(session: Session, key_id: str, owner: str | None = None) -> ApiKe
 
 
 def current_owner(request: Request, session: Session = Depends(get_session)) -> str:
+    """The owner of the request's API key; also spends one token of the key's rate limit."""
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -49,4 +50,5 @@ def current_owner(request: Request, session: Session = Depends(get_session)) -> 
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token.strip())))
     if key is None or key.revoked_at is not None:
         raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
+    get_rate_limiter().check(key.id)
     return key.owner

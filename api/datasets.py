@@ -17,12 +17,14 @@ from api.settings import Settings
 from kiln.dataset import DatasetError, DatasetSource, Issue, Report, validate
 
 
-def image_problem(data: bytes) -> str | None:
+def image_problem(data: bytes, max_pixels: int) -> str | None:
+    """Why an image cannot be used, or None. Only the header is decoded for the size check."""
     try:
         with Image.open(io.BytesIO(data)) as img:
+            w, h = img.size
+            if w * h > max_pixels:
+                return f"image is {w}x{h} pixels, over the limit of {max_pixels} pixels"
             img.verify()
-    except Image.DecompressionBombError:
-        return "image is too large to decode (decompression bomb guard)"
     except Exception as e:
         return f"unreadable image: {e}"
     return None
@@ -59,9 +61,9 @@ def check_dataset(source: DatasetSource, settings: Settings, check_paths: bool) 
             return None
         if not source.has_image(ref):
             return source.missing_image_message(ref)
-        return image_problem(source.read_image(ref))
+        return image_problem(source.read_image(ref), settings.max_image_pixels)
 
-    return validate(source.lines(), check_image, settings.max_line_bytes)
+    return validate(source.lines(settings.max_line_bytes), check_image, settings.max_line_bytes)
 
 
 def open_source(data: Path, images: Path | None, param: str) -> DatasetSource:

@@ -7,6 +7,7 @@ from typing import Iterator
 from sqlalchemy.orm import Session
 
 from api.db import get_sessionmaker
+from api.ratelimit import RateLimiter
 from api.settings import get_settings
 from api.storage import LocalStore
 
@@ -22,3 +23,9 @@ def get_session() -> Iterator[Session]:
 @lru_cache
 def get_store() -> LocalStore:
     return LocalStore(get_settings().resolved_store_dir())
+
+
+@lru_cache
+def get_rate_limiter() -> RateLimiter:
+    settings = get_settings()
+    return RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst)

@@ -21,10 +21,11 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 extra: dict | None = None):
+                 extra: dict | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.extra = extra or {}  # more fields inside "error", e.g. a dataset's "issues"
+        self.headers = headers or {}
 
 
 def not_found(kind: str, id: str, param: str | None = None) -> ApiError:
@@ -58,7 +59,7 @@ def _field(loc: tuple) -> str:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, exc: ApiError):
-        return error_response(exc.status, exc.message, exc.param, exc.code, extra=exc.extra)
+        return error_response(exc.status, exc.message, exc.param, exc.code, headers=exc.headers, extra=exc.extra)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError):

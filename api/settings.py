@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     max_line_bytes: int = 8 << 20  # one JSONL line (inline data-URL images make lines long)
     max_archive_members: int = 200_000
     max_archive_unpacked_bytes: int = 20 << 30  # zip-bomb guard: declared size of all members
+    max_image_pixels: int = 50_000_000  # decompression-bomb guard; the ViT resizes anyway
+
+    rate_limit_per_minute: float = 1200.0  # per API key, per API process; 0 turns it off
+    rate_limit_burst: int = 200
 
     lease_seconds: float = 60.0  # a running job whose heartbeat is older than this is re-queued
     heartbeat_seconds: float = 5.0

@@ -21,7 +21,7 @@ import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 IMAGE_TOKEN = "<image>"
 ROLES = ("system", "user", "assistant")
@@ -136,9 +136,8 @@ def _content_parts(content: list, where: str, issues: list[Issue], line: int) ->
 
 def parse_line(line: int, raw: bytes | str, max_line_bytes: int = 8 << 20) -> tuple[Example | None, list[Issue]]:
     """Parse one JSONL line into an Example, or return the issues that stop it."""
-    size = len(raw)
-    if size > max_line_bytes:
-        return None, [Issue(line, "", f"line is {size} bytes, over the limit of {max_line_bytes}")]
+    if len(raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw) > max_line_bytes:
+        return None, [Issue(line, "", f"line is over the limit of {max_line_bytes} bytes")]
     try:
         obj = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -195,6 +194,19 @@ def parse_line(line: int, raw: bytes | str, max_line_bytes: int = 8 << 20) -> tu
     if issues:
         return None, issues
     return Example(line, messages, [str(r) for r in images]), []
+
+
+def bounded_lines(f: BinaryIO, limit: int) -> Iterator[bytes]:
+    """The lines of a binary file, none longer than ``limit + 1`` bytes in memory: an oversized
+    line is cut (so parse_line reports it) and the rest of it skipped in chunks."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+        yield line
 
 
 def iter_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
@@ -258,13 +270,10 @@ class DatasetSource:
             names = preferred
         return names[0]
 
-    def lines(self) -> Iterator[bytes]:
-        if self._zip:
-            with self._zip.open(self.jsonl_member) as f:
-                yield from f
-        else:
-            with open(self.data, "rb") as f:
-                yield from f
+    def lines(self, max_line_bytes: int = 8 << 20) -> Iterator[bytes]:
+        opener = (lambda: self._zip.open(self.jsonl_member)) if self._zip else (lambda: open(self.data, "rb"))
+        with opener() as f:
+            yield from bounded_lines(f, max_line_bytes)
 
     def _lookup(self, ref: str) -> tuple[zipfile.ZipFile, str] | None:
         ref = posixpath.normpath(ref.replace("\\", "/"))

@@ -17,15 +17,26 @@ def sample() -> Path:
 
 
 @pytest.fixture(scope="module")
-def pg_stack(tmp_path_factory):
-    """Production layout: PostgreSQL + Redis, a fresh database for this module."""
-    name, url = create_pg_database()
-    stack = Stack(tmp_path_factory.mktemp("pg"), url, REDIS_URL, max_upload_bytes=2_000_000)
-    try:
-        yield stack.start()
-    finally:
+def make_pg_stack(tmp_path_factory):
+    """Start stacks in the production layout (PostgreSQL + Redis), each on a fresh database,
+    with settings of the test's choosing; all stopped and dropped when the module ends."""
+    made = []
+
+    def make(broker_url: str = REDIS_URL, workers: int = 1, home: Path | None = None, **settings) -> Stack:
+        name, url = create_pg_database()
+        stack = Stack(home or tmp_path_factory.mktemp("pg"), url, broker_url, **settings)
+        made.append((stack, name))
+        return stack.start(workers)
+
+    yield make
+    for stack, name in made:
         stack.stop()
         drop_pg_database(name)
+
+
+@pytest.fixture(scope="module")
+def pg_stack(make_pg_stack):
+    return make_pg_stack(max_upload_bytes=2_000_000)
 
 
 @pytest.fixture(scope="module")

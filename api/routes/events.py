@@ -6,13 +6,16 @@ that reconnects with ``Last-Event-ID`` continues where it stopped; the stream en
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 
 from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from api import services
 from api.auth import current_owner
@@ -23,16 +26,29 @@ from api.schemas import event_public
 from api.settings import get_settings
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs")
+log = logging.getLogger("kiln.api")
+MAX_CURSOR = 2**31 - 1  # event pks are 32-bit integers
 
 
-def _frames(job_id: str, cursor: int):
+def _poll(job_id: str, cursor: int) -> tuple[list, str | None]:
+    with get_sessionmaker()() as session:
+        events = services.events_since(session, job_id, cursor)
+        return events, session.scalar(select(Job.status).where(Job.id == job_id))
+
+
+async def _frames(job_id: str, cursor: int):
+    """Async, so an open stream holds no worker thread while it waits; each poll is one short
+    query in the threadpool."""
     settings = get_settings()
     last_status, last_sent = None, time.monotonic()
     yield "retry: 2000\n\n"
     while True:
-        with get_sessionmaker()() as session:
-            events = services.events_since(session, job_id, cursor)
-            status = session.scalar(select(Job.status).where(Job.id == job_id))
+        try:
+            events, status = await run_in_threadpool(_poll, job_id, cursor)
+        except Exception:  # the response has started: say so in the stream, then end it cleanly
+            log.exception("event stream of %s failed", job_id)
+            yield f"event: error\ndata: {json.dumps({'id': job_id, 'message': 'the event stream failed; reconnect'})}\n\n"
+            return
         for e in events:
             cursor = e.pk
             yield f"id: {e.pk}\nevent: {e.type}\ndata: {json.dumps(event_public(e))}\n\n"
@@ -48,7 +64,7 @@ def _frames(job_id: str, cursor: int):
         if time.monotonic() - last_sent > settings.sse_keepalive_seconds:
             last_sent = time.monotonic()
             yield ": keep-alive\n\n"
-        time.sleep(settings.sse_poll_seconds)
+        await asyncio.sleep(settings.sse_poll_seconds)
 
 
 @router.get("/{job_id}/events/stream")
@@ -56,6 +72,7 @@ def stream_events(job_id: str, owner: str = Depends(current_owner), session: Ses
                   last_event_id: str | None = Header(None, alias="Last-Event-ID"), after: int = Query(0, ge=0)):
     job = services.get_job(session, owner, job_id)
     cursor = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
+    cursor = min(cursor, MAX_CURSOR)  # past every event: nothing old, only what comes next
     session.close()
     return StreamingResponse(_frames(job.id, cursor), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

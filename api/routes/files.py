@@ -71,7 +71,13 @@ def _store_file(session: Session, store: LocalStore, owner: str, upload: Upload,
     return body
 
 
-@router.post("/v1/files")
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"}, "purpose": {"type": "string", "enum": list(PURPOSES)}},
+}}}}}
+
+
+@router.post("/v1/files", openapi_extra=UPLOAD_BODY)
 async def upload_file(request: Request, owner: str = Depends(current_owner), session: Session = Depends(get_session),
                       store: LocalStore = Depends(get_store), idem: str | None = Header(None, alias="Idempotency-Key")):
     prior = await run_in_threadpool(services.replay, session, owner, idem, "POST /v1/files")

@@ -177,3 +177,13 @@ def test_idempotency_key_replays_the_first_answer(pg_stack, sample):
         done = wait_for(lambda: (j := c.get(f"/v1/fine_tuning/jobs/{j1['id']}").json())["status"]
                         in ("succeeded", "failed") and j, timeout=120, what="text-only job")
         assert done["status"] == "succeeded", done["error"]
+
+
+def test_sse_cursor_past_every_event_ends_cleanly(pg_stack, finished_job):
+    """Found by schemathesis: a cursor beyond 32 bits broke the stream after it had started."""
+    job, _ = finished_job
+    with pg_stack.client() as c:
+        for params, headers in (({"after": 2**40}, {}), ({}, {"Last-Event-ID": str(2**63)})):
+            r = c.get(f"/v1/fine_tuning/jobs/{job.id}/events/stream", params=params, headers=headers)
+            assert r.status_code == 200 and r.text.rstrip().endswith('"status": "succeeded"}')
+            assert "event: end" in r.text and "event: metrics" not in r.text

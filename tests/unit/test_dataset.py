@@ -49,7 +49,7 @@ def test_validate_counts_and_limits():
     good = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).encode()
     report = validate([good, b"\n", good, b"x" * 100], max_line_bytes=90)
     assert report.examples == 2 and report.messages == 4
-    assert [(i.line, i.message) for i in report.issues] == [(4, "line is 100 bytes, over the limit of 90")]
+    assert [(i.line, i.message) for i in report.issues] == [(4, "line is over the limit of 90 bytes")]
     empty = validate([b"\n", b"  \n"])
     assert not empty.ok and "no examples" in str(empty.issues[0])
     many = validate([b"{"] * 150, max_issues=100)
@@ -74,3 +74,14 @@ def test_images_resolve_in_archive_and_in_a_zipped_folder(tmp_path):
     assert DatasetSource(jl, imgs).read_image("images/a.png") == png()
     lonely = DatasetSource(jl)
     assert not lonely.has_image("images/a.png") and "images_file" in lonely.missing_image_message("images/a.png")
+
+
+def test_an_oversized_line_is_never_held_whole(tmp_path):
+    good = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as f:
+        f.write(good + "\n" + "x" * 5_000_000 + "\n" + good + "\n")
+    lines = list(DatasetSource(path).lines(max_line_bytes=1000))
+    assert [len(x) for x in lines] == [len(good) + 1, 1001, len(good) + 1]
+    report = validate(lines, max_line_bytes=1000)
+    assert report.examples == 2 and [(i.line, i.message) for i in report.issues] == [(2, "line is over the limit of 1000 bytes")]

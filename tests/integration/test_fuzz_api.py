@@ -1,0 +1,44 @@
+"""Schemathesis against the OpenAPI spec of the running server: no input gives a 5xx.
+
+Real ids (a finished job, its checkpoint, a file, a spare key) are given to the fuzzer so that it
+reaches past the 404s into the handlers."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import wait_for
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+def test_no_input_gives_a_server_error(make_pg_stack, tmp_path):
+    stack = make_pg_stack(rate_limit_per_minute=0)
+    with stack.client() as c:
+        f = c.post("/v1/files", files={"file": ("a.jsonl", (json.dumps(GOOD) + "\n").encode() * 4)},
+                   data={"purpose": "fine-tune"}).json()
+        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f["id"],
+                                                   "hyperparameters": {"max_steps": 2, "batch_size": 2}}).json()
+        job = wait_for(lambda: (j := c.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] == "succeeded" and j,
+                       what="job")
+        ckpt = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"][0]
+        spare = c.post("/v1/keys", json={"name": "spare"}).json()
+    config = tmp_path / "schemathesis.toml"
+    config.write_text(f'''
+[parameters]
+"path.job_id" = "{job['id']}"
+"path.file_id" = "{f['id']}"
+"path.ckpt_id" = "{ckpt['id']}"
+"path.key_id" = "{spare['id']}"
+"path.model_id" = "{job['fine_tuned_model']}"
+''')
+    run = subprocess.run([str(Path(sys.executable).parent / "schemathesis"), "--config-file", str(config), "run",
+                          f"{stack.base_url}/openapi.json", "-H", f"Authorization: Bearer {stack.keys['alice']}",
+                          "--checks", "not_a_server_error", "--max-examples", "40", "--request-timeout", "20",
+                          "--seed", "20261202"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
+    assert "passed" in run.stdout and "failed" not in run.stdout.split("SUMMARY")[-1].lower()
+    with stack.client() as c:  # the service still works after the fuzzing
+        assert c.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "succeeded"
