@@ -47,8 +47,10 @@ def current_owner(request: Request, session: Session = Depends(get_session)) -> 
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
-    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token.strip())))
-    if key is None or key.revoked_at is not None:
+    found = session.execute(select(ApiKey.id, ApiKey.owner, ApiKey.revoked_at)
+                            .where(ApiKey.key_hash == hash_key(token.strip()))).first()
+    session.rollback()  # end the read: the connection goes back to the pool before the route's thread hop
+    if found is None or found.revoked_at is not None:
         raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
-    get_rate_limiter().check(key.id)
-    return key.owner
+    get_rate_limiter().check(found.id)
+    return found.owner

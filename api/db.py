@@ -26,7 +26,8 @@ def make_engine(url: str) -> Engine:
 
         return engine
     # pre_ping: a dropped PostgreSQL connection is replaced instead of failing the next request.
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # 40 = the threadpool's size (anyio's default), so every request thread can hold one.
+    return create_engine(url, pool_pre_ping=True, pool_size=20, max_overflow=20)
 
 
 @lru_cache

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Iterator
+from typing import AsyncIterator
 
 from sqlalchemy.orm import Session
 
@@ -12,7 +12,9 @@ from api.settings import get_settings
 from api.storage import LocalStore
 
 
-def get_session() -> Iterator[Session]:
+async def get_session() -> AsyncIterator[Session]:
+    """A session per request, closed on the event loop: closing needs no worker thread, so a
+    request that holds a pooled connection never waits for a thread to give it back."""
     session = get_sessionmaker()()
     try:
         yield session

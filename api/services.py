@@ -5,6 +5,7 @@ import secrets
 import time
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -32,11 +33,14 @@ def paginate(session: Session, stmt, model, after: str | None, limit: int, newes
 
 
 # ---- idempotency -----------------------------------------------------------------------------
-def replay(session: Session, owner: str, key: str | None, endpoint: str) -> IdempotencyRecord | None:
+def replay(session: Session, owner: str, key: str | None, endpoint: str) -> JSONResponse | None:
+    """The stored answer to an earlier request with this Idempotency-Key, if there was one."""
     if not key:
         return None
-    return session.scalar(select(IdempotencyRecord).where(
-        IdempotencyRecord.owner == owner, IdempotencyRecord.key == key, IdempotencyRecord.endpoint == endpoint))
+    found = session.execute(select(IdempotencyRecord.status_code, IdempotencyRecord.body).where(
+        IdempotencyRecord.owner == owner, IdempotencyRecord.key == key, IdempotencyRecord.endpoint == endpoint)).first()
+    session.rollback()  # hold no connection while an upload streams in
+    return JSONResponse(found.body, status_code=found.status_code) if found else None
 
 
 def remember(session: Session, owner: str, key: str | None, endpoint: str, status: int, body: dict) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import zipfile
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -82,7 +82,7 @@ async def upload_file(request: Request, owner: str = Depends(current_owner), ses
                       store: LocalStore = Depends(get_store), idem: str | None = Header(None, alias="Idempotency-Key")):
     prior = await run_in_threadpool(services.replay, session, owner, idem, "POST /v1/files")
     if prior:
-        return JSONResponse(prior.body, status_code=prior.status_code)
+        return prior
     received = await receive(request, store, get_settings().max_upload_bytes)
     purpose = received.fields.get("purpose", "")
     if purpose not in PURPOSES:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Header, Query
-from fastapi.responses import JSONResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -22,7 +21,7 @@ def create_job(req: JobCreate, owner: str = Depends(current_owner), session: Ses
                store: LocalStore = Depends(get_store), idem: str | None = Header(None, alias="Idempotency-Key")):
     prior = services.replay(session, owner, idem, "POST /v1/fine_tuning/jobs")
     if prior:
-        return JSONResponse(prior.body, status_code=prior.status_code)
+        return prior
     job = services.create_job(session, store, get_settings(), owner, req)
     body = job_public(job)
     services.remember(session, owner, idem, "POST /v1/fine_tuning/jobs", 200, body)
