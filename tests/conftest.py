@@ -62,3 +62,21 @@ def wait_for(predicate, timeout: float = 120, interval: float = 0.3, what: str =
 
 def unique() -> str:
     return uuid.uuid4().hex[:8]
+
+
+def all_events(c, job_id: str) -> list[dict]:
+    """Every event of a job (newest first), following the cursor."""
+    out, after = [], None
+    while True:
+        params = {"limit": 100, **({"after": after} if after else {})}
+        page = c.get(f"/v1/fine_tuning/jobs/{job_id}/events", params=params).json()
+        out += page["data"]
+        if not page["has_more"]:
+            return out
+        after = page["data"][-1]["id"]
+
+
+def finished(c, job_id: str, timeout: float = 240) -> dict:
+    """Wait until the job has ended; return it."""
+    return wait_for(lambda: (j := c.get(f"/v1/fine_tuning/jobs/{job_id}").json())["status"]
+                    in ("succeeded", "failed", "cancelled") and j, timeout=timeout, what=f"{job_id} to finish")

@@ -13,7 +13,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import all_events, finished, wait_for
 from tests.stack import PG_ADMIN, free_port
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -41,25 +41,6 @@ class Redis:
         self.proc.wait()
 
 
-def status(c, job_id):
-    return c.get(f"/v1/fine_tuning/jobs/{job_id}").json()
-
-
-def finished(c, job_id, timeout=240):
-    return wait_for(lambda: (j := status(c, job_id))["status"] in ("succeeded", "failed", "cancelled") and j,
-                    timeout=timeout, what=f"{job_id} to finish")
-
-
-def steps(c, job_id):
-    out, after = [], None
-    while True:
-        page = c.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 100, **({"after": after} if after else {})}).json()
-        out += page["data"]
-        if not page["has_more"]:
-            return out
-        after = page["data"][-1]["id"]
-
-
 @pytest.fixture(scope="module")
 def dataset(sample):
     return {"train.jsonl": (sample / "train.jsonl").read_bytes(), "images.zip": (sample / "images.zip").read_bytes()}
@@ -79,7 +60,7 @@ def test_redis_restart_mid_job(make_pg_stack, dataset, tmp_path):
             files = upload_dataset(c, dataset)
             first = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **files, "hyperparameters": {
                 "n_epochs": 2, "batch_size": 4}}).json()
-            wait_for(lambda: any(e["type"] == "metrics" for e in steps(c, first["id"])), what="training to start")
+            wait_for(lambda: any(e["type"] == "metrics" for e in all_events(c, first["id"])), what="training to start")
             redis.kill()  # Redis keeps nothing on disk: every queued message is gone with it
             t0 = time.time()
             second = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **files,
@@ -87,12 +68,12 @@ def test_redis_restart_mid_job(make_pg_stack, dataset, tmp_path):
             assert second.status_code == 200 and time.time() - t0 < 15  # accepted while the broker is down
             second = second.json()
             assert second["status"] == "queued"
-            assert any(e["level"] == "warn" and "queue could not be reached" in e["message"] for e in steps(c, second["id"]))
+            assert any(e["level"] == "warn" and "queue could not be reached" in e["message"] for e in all_events(c, second["id"]))
             time.sleep(2)
             redis.start()
             done = finished(c, first["id"])
             assert done["status"] == "succeeded", done["error"]
-            assert sorted(e["data"]["step"] for e in steps(c, first["id"]) if e["type"] == "metrics") == list(range(1, 121))
+            assert sorted(e["data"]["step"] for e in all_events(c, first["id"]) if e["type"] == "metrics") == list(range(1, 121))
             done = finished(c, second["id"])  # the reaper sent it once Redis was back
             assert done["status"] == "succeeded", done["error"]
             third = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **files,
@@ -117,7 +98,7 @@ def test_postgres_connections_dropped_mid_job(make_pg_stack, dataset):
         files = upload_dataset(c, dataset)
         job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **files, "hyperparameters": {
             "n_epochs": 2, "batch_size": 4, "checkpoint_interval": 10}}).json()
-        wait_for(lambda: any(e["type"] == "metrics" for e in steps(c, job["id"])), what="training to start")
+        wait_for(lambda: any(e["type"] == "metrics" for e in all_events(c, job["id"])), what="training to start")
         dropped = 0
         for _ in range(4):
             dropped += terminate_connections(dbname)
@@ -126,7 +107,7 @@ def test_postgres_connections_dropped_mid_job(make_pg_stack, dataset):
         assert dropped >= 4
         done = finished(c, job["id"])
         assert done["status"] == "succeeded" and done["attempt"] == 1, done["error"]
-        metrics = sorted(e["data"]["step"] for e in steps(c, job["id"]) if e["type"] == "metrics")
+        metrics = sorted(e["data"]["step"] for e in all_events(c, job["id"]) if e["type"] == "metrics")
         assert metrics == list(range(1, 121))
 
 

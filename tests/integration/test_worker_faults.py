@@ -6,19 +6,7 @@ import pytest
 
 from api.queue import RUN_TASK, make_celery
 from api.settings import Settings
-from tests.conftest import wait_for
-
-
-def metrics(c, job_id):
-    """Every event of the job, following the cursor."""
-    out, after = [], None
-    while True:
-        page = c.get(f"/v1/fine_tuning/jobs/{job_id}/events", params={"limit": 100, **({"after": after} if after else {})}).json()
-        out += page["data"]
-        if not page["has_more"]:
-            break
-        after = page["data"][-1]["id"]
-    return out
+from tests.conftest import all_events, finished, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +31,10 @@ def test_killed_worker_job_resumes_from_checkpoint(pg_stack, dataset):
         killed_at = max(c["step_number"] for c in ckpts)
         assert status(c, job["id"])["status"] == "running"
         pg_stack.start_worker()
-        done = wait_for(lambda: (j := status(c, job["id"]))["status"] in ("succeeded", "failed") and j,
-                        timeout=240, what="job to finish after the restart")
+        done = finished(c, job["id"])
         assert done["status"] == "succeeded", done["error"]
         assert done["attempt"] == 2
-        events = metrics(c, job["id"])
+        events = all_events(c, job["id"])
         messages = [e["message"] for e in events]
         assert any(m.startswith("Resumed from the checkpoint at step") for m in messages)
         resumed = [e["data"]["step"] for e in events if e["message"].startswith("Resumed from")][0]
@@ -65,10 +52,9 @@ def test_duplicate_delivery_trains_once(pg_stack, dataset):
             "n_epochs": 1, "batch_size": 4}}).json()
         for _ in range(3):
             celery.send_task(RUN_TASK, args=[job["id"]], queue=pg_stack.env["KILN_QUEUE"])
-        done = wait_for(lambda: (j := status(c, job["id"]))["status"] in ("succeeded", "failed") and j,
-                        timeout=240, what="job")
+        done = finished(c, job["id"])
         assert done["status"] == "succeeded" and done["attempt"] == 1
-        events = metrics(c, job["id"])
+        events = all_events(c, job["id"])
         assert [e["message"] for e in events].count("Fine-tuning job started") == 1
         steps = [e["data"]["step"] for e in events if e["type"] == "metrics"]
         assert sorted(steps) == list(range(1, 61))
@@ -78,12 +64,12 @@ def test_cancel_stops_a_running_job_between_steps(pg_stack, dataset):
     with pg_stack.client() as c:
         job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset, "hyperparameters": {
             "n_epochs": 20, "batch_size": 4}}).json()
-        wait_for(lambda: any(e["type"] == "metrics" for e in metrics(c, job["id"])), what="training to start")
+        wait_for(lambda: any(e["type"] == "metrics" for e in all_events(c, job["id"])), what="training to start")
         r = c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")
         assert r.status_code == 200 and r.json()["cancel_requested"]
         done = wait_for(lambda: (j := status(c, job["id"]))["status"] != "running" and j, timeout=60, what="cancel")
         assert done["status"] == "cancelled" and done["fine_tuned_model"] is None
-        steps = [e["data"]["step"] for e in metrics(c, job["id"]) if e["type"] == "metrics"]
+        steps = [e["data"]["step"] for e in all_events(c, job["id"]) if e["type"] == "metrics"]
         assert max(steps) < 1200
         assert c.get(f"/v1/fine_tuning/jobs/{job['id']}/adapter").status_code == 409
 
@@ -102,17 +88,17 @@ def test_cancel_queued_job_never_trains(pg_stack, dataset):
             "n_epochs": 1, "batch_size": 16}}).json()
         wait_for(lambda: status(c, other["id"])["status"] == "succeeded", timeout=180, what="the next job")
         assert status(c, job["id"])["status"] == "cancelled"
-        assert not [e for e in metrics(c, job["id"]) if e["type"] == "metrics"]
+        assert not [e for e in all_events(c, job["id"]) if e["type"] == "metrics"]
 
 
 def test_dataset_problem_found_by_the_engine_fails_the_job_naming_line_and_field(pg_stack, dataset):
     with pg_stack.client() as c:
         job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset,
                                                    "hyperparameters": {"max_seq_len": 40}}).json()
-        done = wait_for(lambda: (j := status(c, job["id"]))["status"] in ("failed", "succeeded") and j, what="job")
+        done = finished(c, job["id"])
         assert done["status"] == "failed"
         assert done["error"]["code"] == "invalid_training_file" and done["error"]["param"] == "training_file"
         assert "line 1: messages: example is" in done["error"]["message"]
         assert "over max_seq_len 40" in done["error"]["message"]
-        levels = [(e["level"], e["message"][:14]) for e in metrics(c, job["id"])]
+        levels = [(e["level"], e["message"][:14]) for e in all_events(c, job["id"])]
         assert ("error", "Dataset error:") in levels
