@@ -53,8 +53,10 @@ def check_archive(path: Path, settings: Settings) -> None:
                            param="file", code="invalid_archive")
 
 
-def check_dataset(source: DatasetSource, settings: Settings, check_paths: bool) -> Report:
-    """Validate every line; with ``check_paths`` every image must exist and decode."""
+def check_dataset(source: DatasetSource, settings: Settings, check_paths: bool,
+                  tokenize=None, max_tokens: int | None = None) -> Report:
+    """Validate every line; with ``check_paths`` every image must exist and decode; with
+    ``tokenize`` (see kiln.dataset.validate) count tokens and flag examples over ``max_tokens``."""
 
     def check_image(ref: str) -> str | None:
         if not ref.startswith("data:") and not check_paths:
@@ -63,7 +65,8 @@ def check_dataset(source: DatasetSource, settings: Settings, check_paths: bool) 
             return source.missing_image_message(ref)
         return image_problem(source.read_image(ref), settings.max_image_pixels)
 
-    return validate(source.lines(settings.max_line_bytes), check_image, settings.max_line_bytes)
+    return validate(source.lines(settings.max_line_bytes), check_image, settings.max_line_bytes,
+                    tokenize=tokenize, max_tokens=max_tokens)
 
 
 def open_source(data: Path, images: Path | None, param: str) -> DatasetSource:

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from api import catalog, queue
 from api.datasets import check_dataset, open_source, raise_if_bad
+from kiln.dataset import Report
 from api.errors import ApiError, not_found
 from api.models import TERMINAL_STATES, Checkpoint, File, IdempotencyRecord, Job, JobEvent, now
 from api.schemas import JobCreate
@@ -96,6 +97,28 @@ def _dataset_file(session: Session, owner: str, file_id: str | None, param: str,
     return f
 
 
+def dataset_report(store: LocalStore, settings: Settings, f: File, images: File | None, model: str,
+                   max_len: int, param: str = "file") -> Report:
+    """One pass over a dataset: every line checked, every image opened, tokens counted with the
+    model's tokenizer, examples over ``max_len`` tokens flagged."""
+    source = open_source(store.object_path(f.sha256), store.object_path(images.sha256) if images else None, param)
+    try:
+        return check_dataset(source, settings, check_paths=True,
+                             tokenize=catalog.token_counter(model, store.root / "models"), max_tokens=max_len)
+    finally:
+        source.close()
+
+
+def report_public(report: Report, f: File, model: str, max_len: int, n_epochs: int) -> dict[str, Any]:
+    stats = report.stats()
+    training = (stats.get("tokens") or 0) * n_epochs
+    return {"object": "dataset.report", "file_id": f.id, "model": model, "ok": report.ok,
+            "issues": [{"line": i.line, "field": i.field, "message": i.message} for i in report.issues],
+            "issues_truncated": report.truncated, "max_seq_len": max_len, "stats": stats,
+            "estimate": {"n_epochs": n_epochs, "training_tokens": training,
+                         "seconds": round(training / catalog.BASE_MODELS[model]["tokens_per_second"], 1)}}
+
+
 def create_job(session: Session, store: LocalStore, settings: Settings, owner: str, req: JobCreate) -> Job:
     if req.model not in catalog.BASE_MODELS:
         raise ApiError(400, f"Model {req.model!r} is not available for fine-tuning; available: "
@@ -113,15 +136,11 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
     train = _dataset_file(session, owner, req.training_file, "training_file", ("jsonl", "zip"))
     valid = _dataset_file(session, owner, req.validation_file, "validation_file", ("jsonl", "zip"))
     images = _dataset_file(session, owner, req.images_file, "images_file", ("zip",))
-    images_path = store.object_path(images.sha256) if images else None
+    max_len = hp.get("max_seq_len") or catalog.BASE_MODELS[req.model]["max_seq_len"]
     for f, param in ((train, "training_file"), (valid, "validation_file")):
-        if f is None:
-            continue
-        source = open_source(store.object_path(f.sha256), images_path, param)
-        try:
-            raise_if_bad(check_dataset(source, settings, check_paths=True), param, f"{param} {f.id}")
-        finally:
-            source.close()
+        if f is not None:
+            report = dataset_report(store, settings, f, images, req.model, max_len, param)
+            raise_if_bad(report, param, f"{param} {f.id}")
 
     job = Job(owner=owner, model=req.model, training_file=train.id, validation_file=valid.id if valid else None,
               images_file=images.id if images else None, hyperparameters=hp, lora=lora, suffix=req.suffix,

@@ -1,20 +1,37 @@
-"""Read a chat dataset into token tensors, and batch it deterministically.
+"""The training data pipeline: index a dataset in one streaming pass, read examples back when
+their batch comes, group by length, pack short examples into full rows.
 
-Legend: B batch, T tokens, N images in a batch, C channels, H/W pixels.
+A dataset larger than memory trains: the index keeps a byte offset, a token count and a line
+number per example (16 bytes), and only the current batch is tokenised and held as tensors.
+Everything that decides which examples form a step depends on (seed, epoch) alone, so a resumed
+run makes the same steps.
+
+Packing puts several examples in one row. Each token carries its document's number
+(``doc_ids_BT``, -1 for padding) and its position within the document (``positions_BT``):
+attention stays inside a document and positions restart, so a packed row computes exactly what
+its examples would compute alone (a model's recurrent state, KDA's for instance, must reset at
+every document start: ``doc_ids_BT`` marks them).
+
+Legend: B rows, T tokens, N images in a batch, C channels, H/W pixels.
 """
 from __future__ import annotations
 
+import hashlib
 import io
+import shutil
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image
 
-from engine.tokenizer import ByteTokenizer
-from kiln.dataset import DatasetError, DatasetSource, Issue, iter_lines, parse_line
+from kiln.dataset import DatasetError, DatasetSource, Issue, bounded_lines, parse_line
+from kiln.tokenizer import ChatTemplate, Tokenizer, encode_chat
 
 IGNORE = -100
+MAX_LINE_BYTES = 8 << 20
 
 
 @dataclass
@@ -24,9 +41,30 @@ class Sample:
     labels_T: torch.Tensor  # long, IGNORE where no loss
     pixels_NCHW: torch.Tensor  # float, one image per placeholder, in order
 
-    @property
-    def targets(self) -> int:
-        return int((self.labels_T != IGNORE).sum())
+    def __len__(self) -> int:
+        return len(self.input_ids_T)
+
+
+class ImageCache:
+    """Decoded, resized images keyed by the SHA-256 of their bytes: an image shared by many
+    examples (or seen again next epoch) is decoded once. Least recently used entries go first."""
+
+    def __init__(self, size: int, max_entries: int = 4096):
+        self.size, self.max_entries = size, max_entries
+        self._items: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.decoded = 0
+
+    def get(self, data: bytes) -> torch.Tensor:
+        key = hashlib.sha256(data).hexdigest()
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        tensor = image_tensor(data, self.size)
+        self.decoded += 1
+        self._items[key] = tensor
+        if len(self._items) > self.max_entries:
+            self._items.popitem(last=False)
+        return tensor
 
 
 def image_tensor(data: bytes, size: int) -> torch.Tensor:
@@ -37,56 +75,130 @@ def image_tensor(data: bytes, size: int) -> torch.Tensor:
     return raw.view(size, size, 3).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
-def load_samples(path: str | Path, images: str | Path | None, tok: ByteTokenizer, image_size: int,
-                 image_tokens: int, max_seq_len: int) -> list[Sample]:
-    """Tokenise every example. Raises DatasetError naming line and field for any bad example."""
-    source = DatasetSource(Path(path), Path(images) if images else None)
-    samples, issues = [], []
-    try:
-        for n, raw in iter_lines(source.lines()):
-            ex, problems = parse_line(n, raw)
-            if ex is None:
-                issues += problems
-                continue
-            ids, target = tok.encode_chat(ex, image_tokens)
-            if len(ids) > max_seq_len:
-                issues.append(Issue(n, "messages", f"example is {len(ids)} tokens, over max_seq_len {max_seq_len}"))
-                continue
-            pixels = []
-            for k, ref in enumerate(ex.images):
+class Dataset:
+    """A JSONL dataset (or the JSONL inside a zip, copied out once to ``workdir`` so it can be
+    seeked), indexed in one pass. Raises DatasetError naming line and field for bad examples."""
+
+    def __init__(self, path: str | Path, images: str | Path | None, tok: Tokenizer, tpl: ChatTemplate,
+                 image_size: int, image_tokens: int, max_seq_len: int, workdir: Path,
+                 cache: ImageCache | None = None):
+        self.tok, self.tpl, self.image_tokens = tok, tpl, image_tokens
+        self.source = DatasetSource(Path(path), Path(images) if images else None)
+        self.cache = cache or ImageCache(image_size)
+        if self.source.jsonl_member:
+            self.jsonl = workdir / f"{Path(path).name}.jsonl"
+            with self.source.open_jsonl() as src, open(self.jsonl, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        else:
+            self.jsonl = Path(path)
+        self.offsets, self.lengths, self.lines = array("q"), array("i"), array("i")
+        issues: list[Issue] = []
+        offset = 0
+        with open(self.jsonl, "rb") as f:
+            for n, raw in enumerate(bounded_lines(f, MAX_LINE_BYTES), 1):
+                start, offset = offset, offset + len(raw)
+                if not raw.strip():
+                    continue
+                ex, problems = parse_line(n, raw, MAX_LINE_BYTES)
+                if ex is None:
+                    issues += problems
+                    continue
                 try:
-                    pixels.append(image_tensor(source.read_image(ref), image_size))
-                except KeyError:
-                    issues.append(Issue(n, f"images[{k}]", source.missing_image_message(ref)))
-                except Exception as e:
-                    issues.append(Issue(n, f"images[{k}]", f"unreadable image: {e}"))
-            input_ids = torch.tensor(ids, dtype=torch.long)
-            labels = torch.where(torch.tensor(target), input_ids, torch.full_like(input_ids, IGNORE))
-            stacked = torch.stack(pixels) if pixels else torch.zeros(0, 3, image_size, image_size)
-            samples.append(Sample(n, input_ids, labels, stacked))
-    finally:
-        source.close()
-    if issues:
-        raise DatasetError(issues)
-    if not samples:
-        raise DatasetError([Issue(0, "", "the dataset holds no examples")])
-    return samples
+                    ids, _ = encode_chat(tok, tpl, ex, image_tokens)
+                except ValueError as e:
+                    issues.append(Issue(n, "images", str(e)))
+                    continue
+                if len(ids) > max_seq_len:
+                    issues.append(Issue(n, "messages", f"example is {len(ids)} tokens, over max_seq_len {max_seq_len}"))
+                    continue
+                for k, ref in enumerate(ex.images):
+                    if not self.source.has_image(ref):
+                        issues.append(Issue(n, f"images[{k}]", self.source.missing_image_message(ref)))
+                self.offsets.append(start)
+                self.lengths.append(len(ids))
+                self.lines.append(n)
+        if issues:
+            raise DatasetError(issues)
+        if not self.offsets:
+            raise DatasetError([Issue(0, "", "the dataset holds no examples")])
+        self._f = open(self.jsonl, "rb")
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> Sample:
+        self._f.seek(self.offsets[i])
+        n = self.lines[i]
+        ex, problems = parse_line(n, self._f.readline(MAX_LINE_BYTES + 1), MAX_LINE_BYTES)
+        if ex is None:
+            raise DatasetError(problems)
+        ids, target = encode_chat(self.tok, self.tpl, ex, self.image_tokens)
+        pixels = []
+        for k, ref in enumerate(ex.images):
+            try:
+                pixels.append(self.cache.get(self.source.read_image(ref)))
+            except Exception as e:
+                raise DatasetError([Issue(n, f"images[{k}]", f"unreadable image: {e}")]) from e
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        labels = torch.where(torch.tensor(target), input_ids, torch.full_like(input_ids, IGNORE))
+        size = self.cache.size
+        return Sample(n, input_ids, labels, torch.stack(pixels) if pixels else torch.zeros(0, 3, size, size))
+
+    def close(self) -> None:
+        self._f.close()
+        self.source.close()
 
 
-def epoch_order(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The batches of one epoch: a permutation seeded by (seed, epoch), so a resumed run sees
-    exactly the batches the uninterrupted run would have seen."""
-    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+def split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Hold out ``fraction`` of the examples for validation, chosen by the seed."""
+    if not fraction:
+        return list(range(n)), []
+    g = torch.Generator().manual_seed(seed * 7919 + 17)
     perm = torch.randperm(n, generator=g).tolist()
-    return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+    k = max(1, round(n * fraction))
+    if k >= n:
+        raise ValueError(f"validation_split {fraction} leaves no training examples out of {n}")
+    return sorted(perm[k:]), sorted(perm[:k])
 
 
-def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    T = max(len(s.input_ids_T) for s in samples)
-    ids = torch.full((len(samples), T), pad_id, dtype=torch.long)
-    labels = torch.full((len(samples), T), IGNORE, dtype=torch.long)
-    for b, s in enumerate(samples):  # right padding: causal attention never looks at the pads
-        ids[b, :len(s.input_ids_T)] = s.input_ids_T
-        labels[b, :len(s.labels_T)] = s.labels_T
-    pixels = torch.cat([s.pixels_NCHW for s in samples])
-    return {"input_ids_BT": ids, "labels_BT": labels, "pixels_NCHW": pixels}
+def epoch_batches(lengths: array, indices: list[int], batch_size: int, seed: int, epoch: int,
+                  group_by_length: bool) -> list[list[int]]:
+    """The batches of one epoch. With ``group_by_length``, examples of similar length share a
+    batch (sorted within windows of 32 batches, then the batch order is shuffled)."""
+    g = torch.Generator().manual_seed(seed * 1000003 + epoch)
+    order = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
+    if not group_by_length:
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    window = batch_size * 32
+    batches = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w:w + window], key=lambda i: -lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def collate(samples: list[Sample], pad_id: int, pack_to: int | None = None) -> dict[str, torch.Tensor | None]:
+    """Pad into rows. With ``pack_to``, consecutive examples share a row of up to that many
+    tokens, and the batch carries doc_ids_BT and positions_BT."""
+    rows: list[list[Sample]] = []
+    for s in samples:
+        if pack_to and rows and sum(len(x) for x in rows[-1]) + len(s) <= pack_to:
+            rows[-1].append(s)
+        else:
+            rows.append([s])
+    T = max(sum(len(x) for x in row) for row in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    docs = torch.full((len(rows), T), -1, dtype=torch.long)
+    pos = torch.zeros((len(rows), T), dtype=torch.long)
+    for b, row in enumerate(rows):  # right padding: causal attention never looks at the pads
+        at = 0
+        for d, s in enumerate(row):
+            n = len(s)
+            ids[b, at:at + n], labels[b, at:at + n] = s.input_ids_T, s.labels_T
+            docs[b, at:at + n], pos[b, at:at + n] = d, torch.arange(n)
+            at += n
+    pixels = torch.cat([s.pixels_NCHW for row in rows for s in row])  # in token order
+    packed = pack_to is not None and any(len(row) > 1 for row in rows)
+    return {"input_ids_BT": ids, "labels_BT": labels, "pixels_NCHW": pixels,
+            "doc_ids_BT": docs if packed else None, "positions_BT": pos if packed else None}

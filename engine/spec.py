@@ -35,6 +35,10 @@ class JobSpec:
     max_steps: int | None = None
     max_seq_len: int | None = None  # None: the model's maximum
     warmup_ratio: float = 0.05
+    packing: bool = True  # several short examples per row, attention kept inside each
+    group_by_length: bool = False  # batches of similar lengths: less padding, but on mixed data (the
+    # sample set: short text and longer image questions) task-uniform batches slowed convergence
+    validation_split: float = 0.0  # held out of the training file when there is no validation file
     seed: int = 0
     lora: LoraSpec = field(default_factory=LoraSpec)
     resume_from: str | None = None  # store key of a checkpoint folder

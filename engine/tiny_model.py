@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.tokenizer import ByteTokenizer
+from kiln.tokenizer import ByteTokenizer
 
 
 @dataclass
@@ -35,6 +35,7 @@ class TinyConfig:
     image_size: int = 32
     patch_size: int = 8
     initializer_range: float = 0.02
+    image_token_id: int = ByteTokenizer().special("<|image|>")
     model_type: str = "kiln_tiny"
 
     @property
@@ -53,10 +54,11 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rope(x_BHTK: torch.Tensor, theta: float) -> torch.Tensor:
+def rope(x_BHTK: torch.Tensor, theta: float, positions_BT: torch.Tensor | None) -> torch.Tensor:
     T, K = x_BHTK.shape[-2], x_BHTK.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, K, 2, device=x_BHTK.device, dtype=torch.float32) / K)
-    ang = torch.outer(torch.arange(T, device=x_BHTK.device, dtype=torch.float32), inv)
+    pos = torch.arange(T, device=x_BHTK.device) if positions_BT is None else positions_BT[:, None, :]
+    ang = pos.float().unsqueeze(-1) * inv  # [T, K/2] or [B, 1, T, K/2]
     cos, sin = ang.cos().to(x_BHTK.dtype), ang.sin().to(x_BHTK.dtype)
     x1, x2 = x_BHTK[..., : K // 2], x_BHTK[..., K // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -69,14 +71,18 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
         self.v_proj, self.o_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, mask_BTT: torch.Tensor | None, positions_BT: torch.Tensor | None) -> torch.Tensor:
         B, T, D = x_BTD.shape
 
         def heads(t):
             return t.view(B, T, self.H, D // self.H).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x_BTD)), heads(self.k_proj(x_BTD)), heads(self.v_proj(x_BTD))
-        o = F.scaled_dot_product_attention(rope(q, self.theta), rope(k, self.theta), v, is_causal=True)
+        q, k = rope(q, self.theta, positions_BT), rope(k, self.theta, positions_BT)
+        if mask_BTT is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTT[:, None])
         return self.o_proj(o.transpose(1, 2).reshape(B, T, D))
 
 
@@ -99,8 +105,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, mask_BTT: torch.Tensor | None, positions_BT: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), mask_BTT, positions_BT)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -138,12 +144,18 @@ class TinyForCausalLM(nn.Module):
         self.config = config
         self.model = TinyCore(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.image_id = ByteTokenizer().image_id
 
-    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab]. Each image fills the next run of ``<|image|>`` tokens."""
+    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
+                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]. Each image fills the next run of image tokens. With ``doc_ids_BT``
+        (packed rows) a token attends only to earlier tokens of its own document."""
         x = self.model.embed_tokens(input_ids_BT)
-        slots = input_ids_BT == self.image_id
+        mask = None
+        if doc_ids_BT is not None:
+            T = input_ids_BT.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            mask = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & causal
+        slots = input_ids_BT == self.config.image_token_id
         n_slots = int(slots.sum())
         if n_slots:
             if pixels_NCHW is None or pixels_NCHW.shape[0] * self.config.image_tokens != n_slots:
@@ -152,7 +164,7 @@ class TinyForCausalLM(nn.Module):
             img = self.model.multi_modal_projector(self.model.vision_tower(pixels_NCHW.to(x.dtype)))
             x = x.masked_scatter(slots.unsqueeze(-1), img.reshape(-1, x.shape[-1]).to(x.dtype))
         for layer in self.model.layers:
-            x = layer(x)
+            x = layer(x, mask, positions_BT)
         return self.lm_head(self.model.norm(x))
 
 

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import math
 import resource
+import tempfile
 import time
 import zipfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from engine.data import IGNORE, Sample, collate, epoch_order, load_samples
+from engine.data import IGNORE, Dataset, ImageCache, collate, epoch_batches, split
 from engine.lora import apply_lora, load_adapter, save_adapter
 from engine.spec import JobSpec, Reporter, Store, TrainResult
 from engine.tiny_model import TinyForCausalLM, ensure_builtin, load_pretrained
-from engine.tokenizer import ByteTokenizer
+from kiln.tokenizer import chat_template, load_tokenizer
 
 BASE_LR = 2e-3  # LoRA on kiln-tiny; the multiplier scales it
 
@@ -68,8 +70,9 @@ def batch_loss(model: TinyForCausalLM, batch: dict, device: torch.device) -> tup
     """Mean cross-entropy over target tokens, the target count, and how many were argmax-right."""
     ids = batch["input_ids_BT"].to(device)
     labels = batch["labels_BT"].to(device)
+    docs, pos = (batch[k].to(device) if batch[k] is not None else None for k in ("doc_ids_BT", "positions_BT"))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        logits = model(ids, batch["pixels_NCHW"].to(device))
+        logits = model(ids, batch["pixels_NCHW"].to(device), docs, pos)
     logits, labels = logits[:, :-1].float(), labels[:, 1:]
     n = int((labels != IGNORE).sum())
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum") / max(n, 1)
@@ -78,12 +81,14 @@ def batch_loss(model: TinyForCausalLM, batch: dict, device: torch.device) -> tup
 
 
 @torch.no_grad()
-def evaluate(model: TinyForCausalLM, samples: list[Sample], bs: int, pad: int, device: torch.device) -> dict:
+def evaluate(model: TinyForCausalLM, data: Dataset, indices: list[int], bs: int, pad: int, pack_to: int | None,
+             device: torch.device) -> dict:
     was = model.training
     model.eval()
     total, n, right = 0.0, 0, 0
-    for i in range(0, len(samples), bs):
-        loss, k, r = batch_loss(model, collate(samples[i:i + bs], pad), device)
+    for i in range(0, len(indices), bs):
+        batch = collate([data[j] for j in indices[i:i + bs]], pad, pack_to)
+        loss, k, r = batch_loss(model, batch, device)
         total, n, right = total + float(loss) * k, n + k, right + r
     model.train(was)
     return {"valid_loss": total / max(n, 1), "valid_mean_token_accuracy": right / max(n, 1)}
@@ -112,21 +117,39 @@ def _model_card(spec: JobSpec, hp: Resolved, metrics: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _close(*datasets: Dataset) -> None:
+    for d in set(datasets):
+        d.close()
+
+
 def train(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
+    with tempfile.TemporaryDirectory(prefix="kiln-job-") as work:
+        return _train(spec, store, reporter, Path(work))
+
+
+def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> TrainResult:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = store.model_dir(spec.model)
     ensure_builtin(spec.model, model_dir)
     if not (model_dir / "config.json").exists():
         raise ValueError(f"base model {spec.model!r} has no weights in {model_dir}")
     model = load_pretrained(model_dir)
-    cfg, tok = model.config, ByteTokenizer()
+    cfg = model.config
+    tok = load_tokenizer(model_dir)
+    tpl = chat_template(tok)
     max_len = min(spec.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    pack_to = max_len if spec.packing else None
 
-    reporter.message("Reading and tokenising the dataset")
-    train_set = load_samples(spec.training_file, spec.images_file, tok, cfg.image_size, cfg.image_tokens, max_len)
-    valid_set = (load_samples(spec.validation_file, spec.images_file, tok, cfg.image_size, cfg.image_tokens, max_len)
-                 if spec.validation_file else [])
-    hp = resolve(spec, len(train_set))
+    reporter.message("Indexing the dataset")
+    cache = ImageCache(cfg.image_size)
+    train_set = Dataset(spec.training_file, spec.images_file, tok, tpl, cfg.image_size, cfg.image_tokens, max_len, work, cache)
+    train_idx, valid_idx = split(len(train_set), spec.validation_split, spec.seed)
+    valid_set = train_set
+    if spec.validation_file:
+        valid_set = Dataset(spec.validation_file, spec.images_file, tok, tpl, cfg.image_size, cfg.image_tokens,
+                            max_len, work, cache)
+        valid_idx = list(range(len(valid_set)))
+    hp = resolve(spec, len(train_idx))
 
     torch.manual_seed(spec.seed)
     apply_lora(model, spec.lora)
@@ -134,10 +157,13 @@ def train(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
     total_params = sum(p.numel() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_train = sum(p.numel() for p in trainable)
+    tokens_per_epoch = sum(train_set.lengths[i] for i in train_idx)
     reporter.message(f"Model {spec.model}: {total_params:,} parameters, LoRA trains {n_train:,} "
-                     f"({100 * n_train / total_params:.2f}%); {len(train_set)} training examples, "
-                     f"{len(valid_set)} validation examples, {hp.total_steps} steps on {device.type}",
-                     data={"total_parameters": total_params, "trainable_parameters": n_train})
+                     f"({100 * n_train / total_params:.2f}%); {len(train_idx)} training examples "
+                     f"({tokens_per_epoch:,} tokens), {len(valid_idx)} validation examples, {hp.total_steps} steps "
+                     f"on {device.type}" + (f", packed into rows of {pack_to} tokens" if pack_to else ""),
+                     data={"total_parameters": total_params, "trainable_parameters": n_train,
+                           "tokens_per_epoch": tokens_per_epoch})
     reporter.resolved(hp.public())
 
     opt = torch.optim.AdamW(trainable, lr=hp.learning_rate, weight_decay=0.0)
@@ -153,14 +179,19 @@ def train(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
         step, tokens = state["step"], state["tokens"]
         reporter.message(f"Resumed from the checkpoint at step {step}", data={"step": step})
 
-    pad, metrics = tok.pad_id, {}
+    pad, metrics = tpl.pad_id, {}
+    order: tuple[int, list[list[int]]] = (-1, [])
     while step < hp.total_steps:
         reason = reporter.should_stop()
         if reason:
+            _close(train_set, valid_set)
             return TrainResult("stopped", trained_tokens=tokens, stop_reason=reason, final_metrics=metrics)
         t0 = time.perf_counter()
         epoch, index = divmod(step, hp.steps_per_epoch)
-        batch = collate([train_set[i] for i in epoch_order(len(train_set), hp.batch_size, spec.seed, epoch)[index]], pad)
+        if order[0] != epoch:
+            order = (epoch, epoch_batches(train_set.lengths, train_idx, hp.batch_size, spec.seed, epoch,
+                                          spec.group_by_length))
+        batch = collate([train_set[i] for i in order[1][index]], pad, pack_to)
         loss, n, right = batch_loss(model, batch, device)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -173,16 +204,18 @@ def train(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
         metrics = {"step": step, "total_steps": hp.total_steps, "epoch": epoch + 1, "train_loss": float(loss.detach()),
                    "train_mean_token_accuracy": right / max(n, 1), "learning_rate": sched.get_last_lr()[0],
                    "grad_norm": float(grad_norm), "tokens_per_second": seen / (time.perf_counter() - t0),
-                   "trained_tokens": tokens, "peak_memory_mb": peak_memory_mb(device)}
+                   "trained_tokens": tokens, "rows": batch["input_ids_BT"].shape[0],
+                   "padding": 1 - seen / batch["input_ids_BT"].numel(), "peak_memory_mb": peak_memory_mb(device)}
         is_ckpt = step % hp.checkpoint_interval == 0 or step == hp.total_steps
-        if is_ckpt and valid_set:
-            metrics.update(evaluate(model, valid_set, hp.batch_size, pad, device))
+        if is_ckpt and valid_idx:
+            metrics.update(evaluate(model, valid_set, valid_idx, hp.batch_size, pad, pack_to, device))
         reporter.metrics(step, metrics)
         if is_ckpt:
             key = f"{spec.artifacts}/checkpoints/step-{step:07d}"
             _save_checkpoint(store, key, model, spec, opt, sched, step, tokens)
             reporter.checkpoint(step, key, {k: v for k, v in metrics.items() if "loss" in k or "accuracy" in k})
 
+    _close(train_set, valid_set)
     adapter_key = f"{spec.artifacts}/adapter.zip"
     final = store.path(f"{spec.artifacts}/checkpoints/step-{step:07d}")
     with store.publish_file(adapter_key) as path:

@@ -69,6 +69,10 @@ class Report:
     images: int = 0
     characters: int = 0
     max_characters: int = 0
+    tokens: int | None = None  # with a tokenizer: all tokens, the trained ones, and per example
+    target_tokens: int | None = None
+    max_tokens: int | None = None
+    histogram: dict[int, int] = field(default_factory=dict)  # examples by token count, upper bounds 2^k
     issues: list[Issue] = field(default_factory=list)
     truncated: bool = False  # more issues than were kept
 
@@ -76,9 +80,21 @@ class Report:
     def ok(self) -> bool:
         return not self.issues
 
+    def count(self, tokens: int, targets: int) -> None:
+        self.tokens = (self.tokens or 0) + tokens
+        self.target_tokens = (self.target_tokens or 0) + targets
+        self.max_tokens = max(self.max_tokens or 0, tokens)
+        bound = 1 << max(4, (tokens - 1).bit_length())
+        self.histogram[bound] = self.histogram.get(bound, 0) + 1
+
     def stats(self) -> dict:
-        return {"examples": self.examples, "messages": self.messages, "images": self.images,
-                "characters": self.characters, "max_example_characters": self.max_characters}
+        out = {"examples": self.examples, "messages": self.messages, "images": self.images,
+               "characters": self.characters, "max_example_characters": self.max_characters}
+        if self.tokens is not None:
+            out.update(tokens=self.tokens, target_tokens=self.target_tokens, max_example_tokens=self.max_tokens,
+                       mean_example_tokens=round(self.tokens / max(self.examples, 1), 1),
+                       length_histogram=[{"max_tokens": k, "examples": v} for k, v in sorted(self.histogram.items())])
+        return out
 
 
 def image_ref_problem(ref: object) -> str | None:
@@ -217,8 +233,11 @@ def iter_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
 
 
 def validate(lines: Iterable[bytes], check_image: Callable[[str], str | None] | None = None,
-             max_line_bytes: int = 8 << 20, max_issues: int = 100) -> Report:
-    """Check every line; ``check_image(ref)`` says why a referenced image is missing or unreadable."""
+             max_line_bytes: int = 8 << 20, max_issues: int = 100,
+             tokenize: Callable[[Example], tuple[int, int]] | None = None, max_tokens: int | None = None) -> Report:
+    """Check every line in one pass. ``check_image(ref)`` says why a referenced image is missing
+    or unreadable; ``tokenize(example)`` gives (tokens, target tokens), which adds token counts to
+    the report and, with ``max_tokens``, an issue for every example that is too long."""
     report = Report()
 
     def add(issue: Issue) -> None:
@@ -238,6 +257,15 @@ def validate(lines: Iterable[bytes], check_image: Callable[[str], str | None] | 
                 problem = check_image(ref)
                 if problem:
                     add(Issue(n, f"images[{k}]", problem))
+        if tokenize is not None:
+            try:
+                tokens, targets = tokenize(ex)
+            except ValueError as e:
+                add(Issue(n, "images", str(e)))
+                continue
+            if max_tokens and tokens > max_tokens:
+                add(Issue(n, "messages", f"example is {tokens} tokens, over max_seq_len {max_tokens}"))
+            report.count(tokens, targets)
         chars = sum(len(m.content) for m in ex.messages)
         report.examples += 1
         report.messages += len(ex.messages)
@@ -270,9 +298,11 @@ class DatasetSource:
             names = preferred
         return names[0]
 
+    def open_jsonl(self) -> BinaryIO:
+        return self._zip.open(self.jsonl_member) if self._zip else open(self.data, "rb")
+
     def lines(self, max_line_bytes: int = 8 << 20) -> Iterator[bytes]:
-        opener = (lambda: self._zip.open(self.jsonl_member)) if self._zip else (lambda: open(self.data, "rb"))
-        with opener() as f:
+        with self.open_jsonl() as f:
             yield from bounded_lines(f, max_line_bytes)
 
     def _lookup(self, ref: str) -> tuple[zipfile.ZipFile, str] | None:

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api import services
+from api import catalog, services
 from api.auth import current_owner
 from api.datasets import check_archive, check_dataset, open_source, raise_if_bad
 from api.deps import get_session, get_store
@@ -112,6 +112,24 @@ def delete_file(file_id: str, owner: str = Depends(current_owner), session: Sess
                 store: LocalStore = Depends(get_store)):
     services.delete_file(session, store, owner, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
+
+
+@router.get("/v1/files/{file_id}/report")
+def file_report(file_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session),
+                store: LocalStore = Depends(get_store), model: str = "kiln-tiny", images_file: str | None = None,
+                max_seq_len: int | None = Query(None, ge=16, le=1 << 20), n_epochs: int = Query(3, ge=1, le=50)):
+    """The validation report of a dataset for a base model, before any job: problems by line and
+    field, token counts and their histogram, and the training tokens and time to expect."""
+    if model not in catalog.BASE_MODELS:
+        raise ApiError(400, f"Model {model!r} is not available; available: {', '.join(catalog.BASE_MODELS)}",
+                       param="model", code="model_not_available")
+    f = services.get_file(session, owner, file_id)
+    if f.kind == "zip" and not f.stats.get("examples"):
+        raise ApiError(400, f"{file_id} is an archive of images, not a dataset", param="file_id")
+    images = services.get_file(session, owner, images_file) if images_file else None
+    max_len = max_seq_len or catalog.BASE_MODELS[model]["max_seq_len"]
+    report = services.dataset_report(store, get_settings(), f, images, model, max_len)
+    return services.report_public(report, f, model, max_len, n_epochs)
 
 
 @router.get("/v1/files/{file_id}/content")
