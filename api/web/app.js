@@ -233,7 +233,17 @@ $("upload-form").addEventListener("submit", async (ev) => {
     const f = await json("/v1/files", { method: "POST", body: form });
     report.className = "report good";
     $("report-title").textContent = `${f.filename} is valid: stored as ${f.id}`;
-    for (const [k, v] of Object.entries(f.stats)) {
+    let shown = f.stats;
+    if (f.stats.examples) {  // a dataset: the token report for the base model
+      const rep = await json(`/v1/files/${f.id}/report?model=kiln-tiny`).catch(() => null);
+      if (rep && rep.ok) {
+        const { length_histogram, ...rest } = rep.stats;
+        shown = { ...rest, estimated_training_tokens: rep.estimate.training_tokens,
+                  estimated_seconds: rep.estimate.seconds,
+                  length_histogram: length_histogram.map((b) => `<=${b.max_tokens}: ${b.examples}`).join(", ") };
+      }
+    }
+    for (const [k, v] of Object.entries(shown)) {
       const dt = document.createElement("dt"); dt.textContent = k;
       const dd = document.createElement("dd"); dd.textContent = v;
       stats.append(dt, dd);

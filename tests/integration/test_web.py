@@ -132,5 +132,8 @@ def test_dataset_validation_report(page, tmp_path):
     page.click("#upload-form button")
     page.wait_for_selector("#report.good")
     assert "good.jsonl is valid" in page.text_content("#report-title")
+    page.wait_for_function("document.getElementById('report-stats').textContent.includes('estimated_seconds')")
+    stats = page.text_content("#report-stats")
+    assert "target_tokens" in stats and "length_histogram<=16: 1" in stats
     wait_for(lambda: "good.jsonl" in page.text_content("#files-body"), what="file list")
     assert "bad.jsonl" not in page.text_content("#files-body")

@@ -111,3 +111,13 @@ def test_final_adapter_zip_and_example_too_long(tmp_path):
     assert all(k.startswith("base_model.model.model.layers.") for k in ckpt)
     with pytest.raises(DatasetError, match=r"line \d+: messages: example is \d+ tokens, over max_seq_len 40"):
         engine.train(spec(max_seq_len=40), store, Recorder())
+
+
+def test_validation_split_holds_out_examples_and_reports_their_loss(tmp_path):
+    rec = Recorder()
+    rec.metrics = lambda step, values: rec.losses.__setitem__(step, values)
+    result = engine.train(spec(validation_file=None, validation_split=0.25, max_steps=10, checkpoint_interval=5),
+                          LocalStore(tmp_path), rec)
+    assert result.status == "succeeded"
+    assert any("180 training examples" in m and "60 validation examples" in m for m in rec.messages)
+    assert "valid_loss" in rec.losses[5] and "valid_loss" in rec.losses[10] and "valid_loss" not in rec.losses[4]
