@@ -29,10 +29,11 @@ def kda_gate(g_raw_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.
     Default: g = -exp(A_log) * softplus(g_raw + dt_bias). With ``lower_bound`` (K3's "safe
     gate", -5): g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias)), so g >= lower_bound."""
     H, K = g_raw_BTHK.shape[-2:]
-    x = g_raw_BTHK.float()
+    up = torch.promote_types(g_raw_BTHK.dtype, torch.float32)  # fp32, or fp64 when checking
+    x = g_raw_BTHK.to(up)
     if dt_bias_HK is not None:
-        x = x + dt_bias_HK.float().view(H, K)
-    a = A_log_H.float().view(H, 1).exp()
+        x = x + dt_bias_HK.to(up).view(H, K)
+    a = A_log_H.to(up).view(H, 1).exp()
     if lower_bound is None:
         return -a * F.softplus(x)
     return lower_bound * torch.sigmoid(a * x)

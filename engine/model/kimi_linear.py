@@ -1,0 +1,280 @@
+"""Kimi Linear: KDA blocks and MLA blocks (NoPE) with a sigmoid-routed MoE, single-device.
+
+Module names follow transformers' in-memory ``kimi_linear`` tree (grouped experts:
+``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]; one ``conv1d`` over
+q|k|v), so adapters made here carry the names PEFT uses on the transformers model; the on-disk
+layout (``block_sparse_moe.experts.N.w1``…) is converted in ``engine.checkpoint.hf``.
+
+Legend: B batch, T tokens, D hidden, H heads, K head dim, V value dim, E experts, I expert width.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.kda import kda_chunk, kda_gate
+
+
+@dataclass
+class KimiLinearConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    layer_types: list[str]
+    mlp_layer_types: list[str]
+    linear_head_dim: int
+    linear_num_heads: int
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 256
+    num_experts_per_token: int = 8
+    num_shared_experts: int = 1
+    num_expert_group: int = 1
+    topk_group: int = 1
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    rms_norm_eps: float = 1e-5
+    q_lora_rank: int | None = None
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "KimiLinearConfig":
+        """From a kimi_linear config.json (both the transformers names and Kimi's own)."""
+        alias = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
+                 "n_shared_experts": "num_shared_experts", "n_group": "num_expert_group",
+                 "norm_topk_prob": "moe_renormalize"}
+        d = {alias.get(k, k): v for k, v in d.items()}
+        if d.get("q_lora_rank") is not None:
+            raise ValueError("q_lora_rank is not supported yet (Kimi Linear checkpoints have none)")
+        if "full_attention" not in d["layer_types"]:
+            raise ValueError("layer_types needs at least one full_attention layer")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def f32(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32: fp64 stays fp64 (the checks run the model in fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's form: x / sqrt(sum x^2 + eps)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = f32(x)
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = f32(x)
+        y = f32(self.weight) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * torch.sigmoid(f32(gate))).to(x.dtype)
+
+
+class ForgetGate(nn.Module):
+    def __init__(self, c: KimiLinearConfig):
+        super().__init__()
+        H, K = c.linear_num_heads, c.linear_head_dim
+        self.f_a_proj = nn.Linear(c.hidden_size, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1))
+        self.H, self.K = H, K
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        g = self.f_b_proj(self.f_a_proj(x_BTD)).view(*x_BTD.shape[:2], self.H, self.K)
+        return kda_gate(g, self.A_log.view(self.H), self.dt_bias.view(self.H, self.K))
+
+
+def causal_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal convolution then SiLU; with cu_seqlens no sequence sees the one before."""
+    W = weight_C1W.shape[-1]
+    if cu_seqlens is None:
+        y = F.conv1d(x_BTC.transpose(1, 2), weight_C1W, padding=W - 1, groups=x_BTC.shape[-1])
+        return F.silu(y[..., : x_BTC.shape[1]].transpose(1, 2))
+    cu = cu_seqlens.tolist()
+    return torch.cat([causal_conv(x_BTC[:, a:b], weight_C1W, None) for a, b in zip(cu, cu[1:])], 1)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, c: KimiLinearConfig):
+        super().__init__()
+        D, H, K = c.hidden_size, c.linear_num_heads, c.linear_head_dim
+        self.H, self.K = H, K
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, H * K, bias=False) for _ in range(3))
+        self.conv1d = nn.Conv1d(3 * H * K, 3 * H * K, c.linear_conv_kernel_dim, groups=3 * H * K, bias=False)
+        self.forget_gate = ForgetGate(c)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_a_proj = nn.Linear(D, K, bias=False)
+        self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm = GatedRMSNorm(K, c.rms_norm_eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        qkv = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
+        q, k, v = causal_conv(qkv, self.conv1d.weight, cu_seqlens).view(B, T, 3, self.H, self.K).unbind(2)
+        g = self.forget_gate(x_BTD)
+        beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
+        o, _ = kda_chunk(l2norm(f32(q)), l2norm(f32(k)), f32(v), g, beta, cu_seqlens=cu_seqlens)
+        gate = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, self.H, self.K)
+        return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention without positional encoding (Kimi Linear's full attention)."""
+
+    def __init__(self, c: KimiLinearConfig):
+        super().__init__()
+        self.H, self.nope, self.rope, self.v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.rank = c.kv_lora_rank
+        D = c.hidden_size
+        self.q_proj = nn.Linear(D, self.H * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.rank, self.H * (self.nope + self.v), bias=False)
+        self.o_proj = nn.Linear(self.H * self.v, D, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, mask_BTT: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q = self.q_proj(x_BTD).view(B, T, self.H, -1).transpose(1, 2)
+        latent, k_shared = self.kv_a_proj_with_mqa(x_BTD).split([self.rank, self.rope], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.H, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v], -1)
+        k = torch.cat([k_nope, k_shared[:, None].expand(B, self.H, T, self.rope)], -1)
+        scale = (self.nope + self.rope) ** -0.5
+        if mask_BTT is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTT[:, None], scale=scale)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, D: int, inter: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(D, inter, bias=False), nn.Linear(D, inter, bias=False)
+        self.down_proj = nn.Linear(inter, D, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores; the bias (aux-loss-free balancing) only chooses, the scores weigh."""
+
+    def __init__(self, c: KimiLinearConfig):
+        super().__init__()
+        self.E, self.k, self.groups, self.topk_group = c.num_experts, c.num_experts_per_token, c.num_expert_group, c.topk_group
+        self.renorm, self.scale = c.moe_renormalize, c.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.E, c.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.E))
+
+    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(f32(x_ND), f32(self.weight)).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.groups > 1:
+            best = choice.view(-1, self.groups, self.E // self.groups).topk(2, -1)[0].sum(-1)
+            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, -1)[1], 1.0).bool()
+            choice = choice.masked_fill(~keep.repeat_interleave(self.E // self.groups, 1), float("-inf"))
+        idx = choice.topk(self.k, -1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if self.renorm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scale
+
+
+class Experts(nn.Module):
+    """Grouped expert weights, one tensor per projection. The reference forward: a loop."""
+
+    def __init__(self, c: KimiLinearConfig):
+        super().__init__()
+        E, D, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, D))
+        self.down_proj = nn.Parameter(torch.zeros(E, D, I))
+
+    def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x_ND)
+        for e in idx_NK.unique().tolist():
+            tok, slot = (idx_NK == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x_ND[tok], self.gate_up_proj[e]).chunk(2, -1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_NK[tok, slot, None].to(x_ND.dtype)
+            out.index_add_(0, tok, y)
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, c: KimiLinearConfig):
+        super().__init__()
+        self.gate = Router(c)
+        self.experts = Experts(c)
+        self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.num_shared_experts)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        flat = x_BTD.reshape(-1, x_BTD.shape[-1])
+        idx, w = self.gate(flat)
+        return self.experts(flat, idx, w).view_as(x_BTD) + self.shared_experts(x_BTD)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: KimiLinearConfig, i: int):
+        super().__init__()
+        self.kind = c.layer_types[i]
+        self.self_attn = MLAttention(c) if self.kind == "full_attention" else KimiDeltaAttention(c)
+        self.mlp = MoE(c) if c.mlp_layer_types[i] == "sparse" else MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, mask_BTT=None, cu_seqlens=None):
+        h = self.input_layernorm(x)
+        x = x + (self.self_attn(h, mask_BTT) if self.kind == "full_attention" else self.self_attn(h, cu_seqlens))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KimiLinearCore(nn.Module):
+    def __init__(self, c: KimiLinearConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, config: KimiLinearConfig):
+        super().__init__()
+        self.config = config
+        self.model = KimiLinearCore(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]. Packed rows (``doc_ids_BT``) need B == 1 for the KDA layers'
+        per-document state reset; attention layers mask across documents."""
+        x = self.model.embed_tokens(input_ids_BT)
+        mask = cu = None
+        if doc_ids_BT is not None:
+            if input_ids_BT.shape[0] != 1:
+                raise ValueError("packed input for Kimi Linear is one row (B == 1)")
+            T = input_ids_BT.shape[1]
+            mask = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            starts = torch.nonzero(torch.diff(doc_ids_BT[0], prepend=doc_ids_BT[0, :1] - 1)).flatten()
+            cu = torch.cat([starts, torch.tensor([T], device=starts.device)])
+        for layer in self.model.layers:
+            x = layer(x, mask, cu)
+        return self.lm_head(self.model.norm(x))
