@@ -2,6 +2,8 @@
 resumes from its last checkpoint."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from api.queue import RUN_TASK, make_celery
@@ -91,14 +93,28 @@ def test_cancel_queued_job_never_trains(pg_stack, dataset):
         assert not [e for e in all_events(c, job["id"]) if e["type"] == "metrics"]
 
 
-def test_dataset_problem_found_by_the_engine_fails_the_job_naming_line_and_field(pg_stack, dataset):
+def test_dataset_corrupted_on_disk_fails_the_job_naming_line_and_field(pg_stack):
+    """The engine checks what it reads again: a stored dataset damaged after the job was
+    accepted fails the job with the line and field, not a crash."""
+    import hashlib
+    rows = [{"messages": [{"role": "user", "content": f"q{i} corrupt-test"}, {"role": "assistant", "content": "a"}]}
+            for i in range(6)]
+    content = "\n".join(json.dumps(r) for r in rows).encode() + b"\n"
+    for w in list(pg_stack.workers):
+        if w.poll() is None:
+            pg_stack.kill_worker(w)
     with pg_stack.client() as c:
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset,
-                                                   "hyperparameters": {"max_seq_len": 40}}).json()
+        f = c.post("/v1/files", files={"file": ("c.jsonl", content)}, data={"purpose": "fine-tune"}).json()
+        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f["id"]}).json()
+        assert job["status"] == "queued"
+        sha = hashlib.sha256(content).hexdigest()
+        obj = pg_stack.store / "objects" / sha[:2] / sha
+        lines = obj.read_bytes().splitlines(keepends=True)
+        obj.write_bytes(lines[0] + b'{"messages": [{"role": "robot", "content": "x"}]}\n' + b"".join(lines[2:]))
+        pg_stack.start_worker()
         done = finished(c, job["id"])
         assert done["status"] == "failed"
         assert done["error"]["code"] == "invalid_training_file" and done["error"]["param"] == "training_file"
-        assert "line 1: messages: example is" in done["error"]["message"]
-        assert "over max_seq_len 40" in done["error"]["message"]
+        assert "line 2: messages[0].role: unknown role 'robot'" in done["error"]["message"]
         levels = [(e["level"], e["message"][:14]) for e in all_events(c, job["id"])]
         assert ("error", "Dataset error:") in levels
