@@ -1,7 +1,12 @@
-"""LoRA on linear layers: y = W x + (alpha / r) * B(A(dropout(x))), W frozen and never copied.
+"""LoRA on linear layers: y = W x + (alpha / r) * B(A(dropout(x))), W frozen and never copied;
+and on grouped expert weights, per expert: y_e = W_e x + (alpha / r) * B_e (A_e x), computed from
+the factors (never W_e + B_e A_e, which for a K3 layer would be ~39 GB each forward).
 
 Saved in PEFT's layout: ``adapter_config.json`` and ``adapter_model.safetensors`` with keys
 ``base_model.model.<module path>.lora_A.weight`` ([r, in]) and ``.lora_B.weight`` ([out, r]).
+Expert LoRA follows PEFT's ``target_parameters``: ``lora_A`` is [E*r, in] (expert-major),
+``lora_B`` is [out, r*E] (rank-major); the first target parameter of a module is nested under
+``base_layer``, as PEFT nests its wrappers.
 """
 from __future__ import annotations
 
@@ -37,20 +42,57 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
+class ExpertsLoRA(nn.Module):
+    """LoRA factors for an experts module's grouped projections (``gate_up_proj`` [E, 2I, D],
+    ``down_proj`` [E, D, I]), used by the module's forward through ``delta``."""
+
+    def __init__(self, experts: nn.Module, names: list[str], rank: int, alpha: float):
+        super().__init__()
+        self.names, self.scaling = names, alpha / rank
+        for name in names:
+            E, out, inp = getattr(experts, name).shape
+            dev = getattr(experts, name).device
+            A = torch.empty(E, rank, inp, device=dev)
+            for e in range(E):
+                nn.init.kaiming_uniform_(A[e], a=math.sqrt(5))
+            self.register_parameter(f"{name}_A", nn.Parameter(A))
+            self.register_parameter(f"{name}_B", nn.Parameter(torch.zeros(E, out, rank, device=dev)))
+
+    def delta(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor | None:
+        if name not in self.names:
+            return None
+        A, B = getattr(self, f"{name}_A")[e], getattr(self, f"{name}_B")[e]
+        return (x @ A.t()) @ B.t() * self.scaling
+
+
 def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
-    """Freeze the model and wrap every nn.Linear whose last name is a target. Returns the paths."""
+    """Freeze the model and wrap every nn.Linear whose last name is a target, and put expert
+    LoRA on every experts module named by ``target_parameters``. Returns the wrapped paths."""
     for p in model.parameters():
         p.requires_grad_(False)
     wrapped = []
+    expert_names = [t.rsplit(".", 1)[-1] for t in spec.target_parameters]
+    if expert_names:
+        for name, module in model.named_modules():
+            if name.endswith("mlp.experts") and all(hasattr(module, n) for n in expert_names):
+                module.lora = ExpertsLoRA(module, expert_names, spec.rank, spec.alpha)
+                wrapped.append(name)
+        if not wrapped:
+            raise ValueError(f"lora.target_parameters: the model has no experts with {', '.join(expert_names)}")
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name in spec.target_modules and isinstance(child, nn.Linear):
                 setattr(module, child_name, LoRALinear(child, spec.rank, spec.alpha, spec.dropout))
                 wrapped.append(f"{name}.{child_name}" if name else child_name)
-    missing = set(spec.target_modules) - {w.rsplit(".", 1)[-1] for w in wrapped}
+    missing = set(spec.target_modules) - {w.rsplit(".", 1)[-1] for w in wrapped if not w.endswith("mlp.experts")}
     if missing:
         raise ValueError(f"lora.target_modules: the model has no linear layer named {', '.join(sorted(missing))}")
     return wrapped
+
+
+def _expert_keys(experts_path: str, names: list[str], i: int) -> str:
+    """PEFT nests one wrapper per target parameter: the first is innermost (``base_layer``)."""
+    return f"{PEFT_PREFIX}{experts_path}" + ".base_layer" * (len(names) - 1 - i)
 
 
 def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -60,12 +102,30 @@ def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, LoRALinear):
             out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = module.lora_A.weight.detach().contiguous().cpu()
             out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_B.weight.detach().contiguous().cpu()
+        elif isinstance(module, ExpertsLoRA):
+            path = name.removesuffix(".lora")
+            for i, p in enumerate(module.names):
+                A, B = getattr(module, f"{p}_A").detach(), getattr(module, f"{p}_B").detach()
+                E, r, inp = A.shape
+                key = _expert_keys(path, module.names, i)
+                out[f"{key}.lora_A.weight"] = A.reshape(E * r, inp).contiguous().cpu()
+                out[f"{key}.lora_B.weight"] = B.permute(1, 2, 0).reshape(B.shape[1], r * E).contiguous().cpu()
     return out
 
 
 def load_lora_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     modules = dict(model.named_modules())
     seen = set()
+    state = dict(state)
+    for name, module in modules.items():  # expert factors first, back from PEFT's layout
+        if isinstance(module, ExpertsLoRA):
+            path = name.removesuffix(".lora")
+            for i, p in enumerate(module.names):
+                key = _expert_keys(path, module.names, i)
+                A, B = state.pop(f"{key}.lora_A.weight"), state.pop(f"{key}.lora_B.weight")
+                E, r, inp = getattr(module, f"{p}_A").shape
+                getattr(module, f"{p}_A").data.copy_(A.reshape(E, r, inp))
+                getattr(module, f"{p}_B").data.copy_(B.reshape(B.shape[0], r, E).permute(2, 0, 1))
     for key, tensor in state.items():
         path, part = key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0], key.rsplit(".", 2)[1]
         module = modules.get(path)
@@ -84,7 +144,8 @@ def save_adapter(model: nn.Module, spec: LoraSpec, base_model: str, folder: Path
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-        "target_modules": sorted(spec.target_modules), "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted(spec.target_modules), "target_parameters": list(spec.target_parameters) or None,
+        "bias": "none", "fan_in_fan_out": False,
         "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
         "use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {},
         "layers_to_transform": None, "layers_pattern": None, "revision": None,

@@ -19,6 +19,8 @@ class LoraSpec:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                  "gate_proj", "up_proj", "down_proj"])
+    # Grouped expert weights, PEFT's names: "mlp.experts.gate_up_proj", "mlp.experts.down_proj".
+    target_parameters: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -211,11 +211,18 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(E, D, I))
 
     def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        lora = getattr(self, "lora", None)  # engine.lora.ExpertsLoRA, when fine-tuning the experts
+
+        def proj(name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+            y = F.linear(x, getattr(self, name)[e])
+            d = lora.delta(name, e, x) if lora is not None else None
+            return y if d is None else y + d
+
         out = torch.zeros_like(x_ND)
         for e in idx_NK.unique().tolist():
             tok, slot = (idx_NK == e).nonzero(as_tuple=True)
-            gate, up = F.linear(x_ND[tok], self.gate_up_proj[e]).chunk(2, -1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * w_NK[tok, slot, None].to(x_ND.dtype)
+            gate, up = proj("gate_up_proj", e, x_ND[tok]).chunk(2, -1)
+            y = proj("down_proj", e, F.silu(gate) * up) * w_NK[tok, slot, None].to(x_ND.dtype)
             out.index_add_(0, tok, y)
         return out
 

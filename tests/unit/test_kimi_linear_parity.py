@@ -72,3 +72,36 @@ def test_packed_documents_equal_each_alone(saved):
             alone = model(ids[:, at:at + n])
             assert float((packed[:, at:at + n] - alone).norm() / alone.norm()) < 1e-10
             at += n
+
+
+def test_our_adapter_loads_in_peft_and_gives_our_logits(saved, tmp_path):
+    """LoRA on attention projections and on every expert, exported in PEFT's layout; PEFT puts it
+    on the transformers model and the logits agree."""
+    peft = pytest.importorskip("peft")
+    from engine.lora import apply_lora, load_adapter, lora_state, save_adapter
+    from engine.spec import LoraSpec
+
+    ref, folder = saved
+    spec = LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "o_proj", "g_b_proj"],
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    ours = load_kimi_linear(folder).eval()
+    apply_lora(ours, spec)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if p.requires_grad:  # B starts at zero: give every factor a value
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    assert all(p.requires_grad == ("lora" in n) for n, p in ours.named_parameters())
+    save_adapter(ours, spec, "kimi-tiny", tmp_path / "adapter")
+    ids = torch.randint(3, 300, (2, 70), generator=g)
+    with torch.no_grad():
+        mine = ours(ids)
+        base = transformers.KimiLinearForCausalLM.from_pretrained(folder).eval()
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        plain = load_kimi_linear(folder).eval()(ids)
+    assert float((mine - plain).norm() / plain.norm()) > 1e-3  # the adapter changes the model
+    assert float((mine - theirs).norm() / theirs.norm()) < 1e-4
+    again = load_kimi_linear(folder).eval()
+    apply_lora(again, spec)
+    load_adapter(again, tmp_path / "adapter")
+    assert all(torch.equal(a, b) for a, b in zip(lora_state(again).values(), lora_state(ours).values()))
