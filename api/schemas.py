@@ -32,6 +32,7 @@ class LoraSettings(BaseModel):
     alpha: Annotated[float, Field(gt=0, le=4096)] = 16.0
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     target_modules: list[str] | None = Field(None, min_length=1)
+    target_parameters: list[str] | None = Field(None, description="grouped expert weights, e.g. mlp.experts.gate_up_proj")
 
 
 class Supervised(BaseModel):

@@ -14,7 +14,7 @@ from api.datasets import check_dataset, open_source, raise_if_bad
 from kiln.dataset import Report
 from api.errors import ApiError, not_found
 from api.models import TERMINAL_STATES, Checkpoint, File, IdempotencyRecord, Job, JobEvent, now
-from api.schemas import JobCreate
+from api.schemas import JobCreate, LoraSettings
 from api.settings import Settings
 from api.storage import LocalStore
 
@@ -126,13 +126,15 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
     if req.integrations:
         raise ApiError(400, "Integrations are not supported", param="integrations")
     hp = req.resolved_hyperparameters().model_dump(exclude_none=True)
-    lora = (req.lora.model_dump() if req.lora else {"rank": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": None})
-    targets = catalog.lora_targets(req.model)
-    lora["target_modules"] = lora["target_modules"] or list(targets)
-    unknown = [t for t in lora["target_modules"] if t not in targets]
-    if unknown:
-        raise ApiError(400, f"lora.target_modules: unknown module(s) {', '.join(unknown)} for {req.model}; "
-                       f"choose from {', '.join(targets)}", param="lora.target_modules")
+    lora = (req.lora or LoraSettings()).model_dump()
+    info = catalog.BASE_MODELS[req.model]
+    lora["target_modules"] = lora["target_modules"] or list(info["default_targets"])
+    lora["target_parameters"] = lora["target_parameters"] or []
+    for field, allowed in (("target_modules", info["targets"]), ("target_parameters", info["parameters"])):
+        unknown = [t for t in lora[field] if t not in allowed]
+        if unknown:
+            raise ApiError(400, f"lora.{field}: unknown name(s) {', '.join(unknown)} for {req.model}; "
+                           f"choose from {', '.join(allowed) or 'none'}", param=f"lora.{field}")
     train = _dataset_file(session, owner, req.training_file, "training_file", ("jsonl", "zip"))
     valid = _dataset_file(session, owner, req.validation_file, "validation_file", ("jsonl", "zip"))
     images = _dataset_file(session, owner, req.images_file, "images_file", ("zip",))

@@ -80,7 +80,7 @@ class Dataset:
     seeked), indexed in one pass. Raises DatasetError naming line and field for bad examples."""
 
     def __init__(self, path: str | Path, images: str | Path | None, tok: Tokenizer, tpl: ChatTemplate,
-                 image_size: int, image_tokens: int, max_seq_len: int, workdir: Path,
+                 image_size: int, image_tokens: int | None, max_seq_len: int, workdir: Path,
                  cache: ImageCache | None = None):
         self.tok, self.tpl, self.image_tokens = tok, tpl, image_tokens
         self.source = DatasetSource(Path(path), Path(images) if images else None)
@@ -103,8 +103,11 @@ class Dataset:
                 if ex is None:
                     issues += problems
                     continue
+                if ex.images and image_tokens is None:
+                    issues.append(Issue(n, "images", "the model takes no image input"))
+                    continue
                 try:
-                    ids, _ = encode_chat(tok, tpl, ex, image_tokens)
+                    ids, _ = encode_chat(tok, tpl, ex, image_tokens or 0)
                 except ValueError as e:
                     issues.append(Issue(n, "images", str(e)))
                     continue
@@ -132,7 +135,7 @@ class Dataset:
         ex, problems = parse_line(n, self._f.readline(MAX_LINE_BYTES + 1), MAX_LINE_BYTES)
         if ex is None:
             raise DatasetError(problems)
-        ids, target = encode_chat(self.tok, self.tpl, ex, self.image_tokens)
+        ids, target = encode_chat(self.tok, self.tpl, ex, self.image_tokens or 0)
         pixels = []
         for k, ref in enumerate(ex.images):
             try:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -202,21 +199,3 @@ def load_pretrained(folder: Path) -> TinyForCausalLM:
         raise ValueError(f"{folder}: checkpoint lacks {sorted(missing)[:5]}")
     model.load_state_dict(state, assign=True, strict=True)
     return model
-
-
-BUILTIN_SEED = 20261202
-
-
-def ensure_builtin(name: str, folder: Path) -> None:
-    """Create the built-in model's files once (a fixed seed: every machine gets the same weights)."""
-    if (folder / "config.json").exists() or name != "kiln-tiny":
-        return
-    model = TinyForCausalLM(TinyConfig())
-    init_weights(model, BUILTIN_SEED)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{name}-"))
-    save_pretrained(model, tmp)
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another worker made it first
-        shutil.rmtree(tmp, ignore_errors=True)

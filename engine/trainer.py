@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from engine.data import IGNORE, Dataset, ImageCache, collate, epoch_batches, split
 from engine.lora import apply_lora, load_adapter, save_adapter
 from engine.spec import JobSpec, Reporter, Store, TrainResult
-from engine.tiny_model import TinyForCausalLM, ensure_builtin, load_pretrained
+from engine.models import ensure_builtin, load_base
 from kiln.tokenizer import chat_template, load_tokenizer
 
 BASE_LR = 2e-3  # LoRA on kiln-tiny; the multiplier scales it
+DEFAULT_MAX_LEN = 4096  # for models without a position limit (Kimi Linear: KDA + NoPE attention)
 
 
 @dataclass
@@ -66,7 +67,7 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
-def batch_loss(model: TinyForCausalLM, batch: dict, device: torch.device) -> tuple[torch.Tensor, int, int]:
+def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device) -> tuple[torch.Tensor, int, int]:
     """Mean cross-entropy over target tokens, the target count, and how many were argmax-right."""
     ids = batch["input_ids_BT"].to(device)
     labels = batch["labels_BT"].to(device)
@@ -81,7 +82,7 @@ def batch_loss(model: TinyForCausalLM, batch: dict, device: torch.device) -> tup
 
 
 @torch.no_grad()
-def evaluate(model: TinyForCausalLM, data: Dataset, indices: list[int], bs: int, pad: int, pack_to: int | None,
+def evaluate(model: torch.nn.Module, data: Dataset, indices: list[int], bs: int, pad: int, pack_to: int | None,
              device: torch.device) -> dict:
     was = model.training
     model.eval()
@@ -133,20 +134,22 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
     ensure_builtin(spec.model, model_dir)
     if not (model_dir / "config.json").exists():
         raise ValueError(f"base model {spec.model!r} has no weights in {model_dir}")
-    model = load_pretrained(model_dir)
+    model = load_base(model_dir)
     cfg = model.config
     tok = load_tokenizer(model_dir)
     tpl = chat_template(tok)
-    max_len = min(spec.max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    longest = getattr(cfg, "max_position_embeddings", DEFAULT_MAX_LEN)
+    max_len = min(spec.max_seq_len or longest, longest)
     pack_to = max_len if spec.packing else None
+    image_size, image_tokens = getattr(cfg, "image_size", 0), getattr(cfg, "image_tokens", None)
 
     reporter.message("Indexing the dataset")
-    cache = ImageCache(cfg.image_size)
-    train_set = Dataset(spec.training_file, spec.images_file, tok, tpl, cfg.image_size, cfg.image_tokens, max_len, work, cache)
+    cache = ImageCache(image_size)
+    train_set = Dataset(spec.training_file, spec.images_file, tok, tpl, image_size, image_tokens, max_len, work, cache)
     train_idx, valid_idx = split(len(train_set), spec.validation_split, spec.seed)
     valid_set = train_set
     if spec.validation_file:
-        valid_set = Dataset(spec.validation_file, spec.images_file, tok, tpl, cfg.image_size, cfg.image_tokens,
+        valid_set = Dataset(spec.validation_file, spec.images_file, tok, tpl, image_size, image_tokens,
                             max_len, work, cache)
         valid_idx = list(range(len(valid_set)))
     hp = resolve(spec, len(train_idx))

@@ -57,6 +57,42 @@ def _put(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module.register_buffer(leaf, value)
 
 
+def to_hf(model: KimiLinearForCausalLM) -> dict[str, torch.Tensor]:
+    """The model's tensors under Kimi's disk names: the inverse of what load_kimi_linear does."""
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        t = t.detach().contiguous()
+        if name.endswith(".lora") or ".lora." in name:
+            continue
+        disk = name.replace(".mlp.", ".block_sparse_moe.")
+        if m := re.match(r"^(.*)\.experts\.gate_up_proj$", disk):
+            I = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.experts.{e}.w1.weight"] = t[e, :I].clone()
+                out[f"{m.group(1)}.experts.{e}.w3.weight"] = t[e, I:].clone()
+        elif m := re.match(r"^(.*)\.experts\.down_proj$", disk):
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.experts.{e}.w2.weight"] = t[e].clone()
+        elif m := re.match(r"^(.*\.self_attn)\.conv1d\.weight$", disk):
+            for part, chunk in zip("qkv", t.chunk(3)):
+                out[f"{m.group(1)}.{part}_conv1d.weight"] = chunk.clone()
+        else:
+            out[disk.replace(".forget_gate.", ".")] = t
+    return out
+
+
+def save_kimi_linear(model: KimiLinearForCausalLM, folder: Path) -> None:
+    """config.json (model_type kimi_linear) and model.safetensors in Kimi's layout."""
+    from dataclasses import asdict
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {**asdict(model.config), "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
+           "num_key_value_heads": model.config.num_attention_heads}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(to_hf(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 def load_kimi_linear(folder: str | Path, dtype: torch.dtype = torch.float32) -> KimiLinearForCausalLM:
     folder = Path(folder)
     config = KimiLinearConfig.from_hf(json.loads((folder / "config.json").read_text()))

@@ -44,6 +44,9 @@ class KimiLinearConfig:
     routed_scaling_factor: float = 1.0
     rms_norm_eps: float = 1e-5
     q_lora_rank: int | None = None
+    pad_token_id: int | None = None  # kept so a saved config.json reads back in transformers
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
 
     @classmethod
     def from_hf(cls, d: dict) -> "KimiLinearConfig":
@@ -270,15 +273,22 @@ class KimiLinearForCausalLM(nn.Module):
         self.model = KimiLinearCore(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, input_ids_BT: torch.Tensor, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab]. Packed rows (``doc_ids_BT``) need B == 1 for the KDA layers'
-        per-document state reset; attention layers mask across documents."""
+    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
+                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]. With ``doc_ids_BT`` (packed rows) every document starts afresh:
+        the rows are laid end to end as one sequence whose documents are cut at each change of
+        document (a KDA state per document, attention masked across documents). No positions:
+        KDA carries order and the MLA layers use none (NoPE)."""
+        if pixels_NCHW is not None and pixels_NCHW.numel():
+            raise ValueError("Kimi Linear takes no image input")
+        B, T = input_ids_BT.shape
+        if doc_ids_BT is not None and B > 1:
+            row = torch.arange(B, device=doc_ids_BT.device)[:, None] * (T + 1)
+            docs = torch.where(doc_ids_BT >= 0, doc_ids_BT, T) + row  # each row's padding its own document
+            return self.forward(input_ids_BT.reshape(1, B * T), None, docs.reshape(1, B * T)).view(B, T, -1)
         x = self.model.embed_tokens(input_ids_BT)
         mask = cu = None
         if doc_ids_BT is not None:
-            if input_ids_BT.shape[0] != 1:
-                raise ValueError("packed input for Kimi Linear is one row (B == 1)")
-            T = input_ids_BT.shape[1]
             mask = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             starts = torch.nonzero(torch.diff(doc_ids_BT[0], prepend=doc_ids_BT[0, :1] - 1)).flatten()
             cu = torch.cat([starts, torch.tensor([T], device=starts.device)])

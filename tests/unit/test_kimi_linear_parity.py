@@ -105,3 +105,16 @@ def test_our_adapter_loads_in_peft_and_gives_our_logits(saved, tmp_path):
     apply_lora(again, spec)
     load_adapter(again, tmp_path / "adapter")
     assert all(torch.equal(a, b) for a, b in zip(lora_state(again).values(), lora_state(ours).values()))
+
+
+def test_to_hf_round_trips_and_transformers_reads_it(saved, tmp_path):
+    from engine.checkpoint.hf import save_kimi_linear
+    ref, folder = saved
+    ours = load_kimi_linear(folder).eval()
+    save_kimi_linear(ours, tmp_path / "again")
+    back = load_kimi_linear(tmp_path / "again").eval()
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), back.state_dict().values()))
+    theirs = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "again").eval()
+    ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert float((theirs(ids).logits - ref(ids).logits).norm() / ref(ids).logits.norm()) < 1e-6

@@ -1,0 +1,45 @@
+"""A fine-tune of the built-in Kimi Linear model through the service: KDA + MLA + MoE, LoRA on
+attention and on every expert, packed text, an adapter in PEFT's layout."""
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+
+from safetensors.numpy import load as load_safetensors
+
+from tests.conftest import all_events, finished
+
+
+def test_kimi_linear_tiny_job(pg_stack, sample):
+    text = "\n".join(l for l in (sample / "train.jsonl").read_text().splitlines() if '"images"' not in l)
+    with pg_stack.client() as c:
+        f = c.post("/v1/files", files={"file": ("text.jsonl", text.encode())}, data={"purpose": "fine-tune"}).json()
+        job = c.post("/v1/fine_tuning/jobs", json={
+            "model": "kimi-linear-tiny", "training_file": f["id"], "seed": 1,
+            "hyperparameters": {"n_epochs": 1, "batch_size": 8, "learning_rate_multiplier": 2},
+            "lora": {"rank": 4, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}).json()
+        done = finished(c, job["id"], timeout=300)
+        assert done["status"] == "succeeded", done["error"]
+        losses = [e["data"]["train_loss"] for e in sorted(all_events(c, job["id"]), key=lambda e: e["created_at"])
+                  if e["type"] == "metrics"]
+        assert len(losses) == 12 and sum(losses[-3:]) / 3 < losses[0]
+        r = c.get(f"/v1/fine_tuning/jobs/{job['id']}/adapter")
+    zf = zipfile.ZipFile(io.BytesIO(r.content))
+    cfg = json.loads(zf.read("adapter_config.json"))
+    assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    keys = set(load_safetensors(zf.read("adapter_model.safetensors")))
+    assert "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in keys
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight" in keys
+
+
+def test_text_only_model_refuses_images_naming_the_line(pg_stack, sample):
+    with pg_stack.client() as c:
+        f = c.post("/v1/files", files={"file": ("t.jsonl", (sample / "train.jsonl").read_bytes())},
+                   data={"purpose": "fine-tune"}).json()
+        images = c.post("/v1/files", files={"file": ("i.zip", (sample / "images.zip").read_bytes())},
+                        data={"purpose": "fine-tune"}).json()
+        r = c.post("/v1/fine_tuning/jobs", json={"model": "kimi-linear-tiny", "training_file": f["id"],
+                                                 "images_file": images["id"]})
+    assert r.status_code == 400
+    assert "line 1: images: kimi-linear-tiny takes no image input" in r.json()["error"]["message"]
