@@ -20,6 +20,7 @@ class Hyperparameters(BaseModel):
     max_steps: PosInt | None = Field(None, description="stop after this many optimizer steps")
     max_seq_len: Annotated[int, Field(strict=True, ge=16, le=1 << 20)] | None = None
     warmup_ratio: Annotated[float, Field(ge=0, le=0.5)] | None = None
+    gradient_accumulation_steps: Annotated[int, Field(strict=True, ge=1, le=256)] | None = None
     packing: Annotated[bool, Field(strict=True)] | None = Field(None, description="pack short examples into full rows (default on)")
     group_by_length: Annotated[bool, Field(strict=True)] | None = None
     validation_split: Annotated[float, Field(ge=0, le=0.5)] | None = Field(

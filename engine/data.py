@@ -44,6 +44,11 @@ class Sample:
     def __len__(self) -> int:
         return len(self.input_ids_T)
 
+    @property
+    def targets(self) -> int:
+        """Tokens predicted with loss: the label of the next position is a target."""
+        return int((self.labels_T[1:] != IGNORE).sum())
+
 
 class ImageCache:
     """Decoded, resized images keyed by the SHA-256 of their bytes: an image shared by many

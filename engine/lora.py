@@ -30,16 +30,27 @@ class LoRALinear(nn.Module):
         base.weight.requires_grad_(False)
         if base.bias is not None:
             base.bias.requires_grad_(False)
-        dev = base.weight.device
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=dev)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=dev)
+        dev, dt = base.weight.device, torch.promote_types(base.weight.dtype, torch.float32)  # factors >= fp32
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=dev, dtype=dt)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=dev, dtype=dt)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default init
         nn.init.zeros_(self.lora_B.weight)
         self.scaling = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        if self.merged:
+            return self.base(x)
+        low = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)))
+        return self.base(x) + (low * self.scaling).to(x.dtype)
+
+    merged = False
+
+    @torch.no_grad()
+    def merge(self, sign: float = 1.0) -> None:
+        """Fold B A into the base weight in place (sign -1 takes it out again)."""
+        self.base.weight += sign * (self.lora_B.weight @ self.lora_A.weight).to(self.base.weight.dtype) * self.scaling
+        self.merged = sign > 0
 
 
 class ExpertsLoRA(nn.Module):
@@ -50,19 +61,41 @@ class ExpertsLoRA(nn.Module):
         super().__init__()
         self.names, self.scaling = names, alpha / rank
         for name in names:
-            E, out, inp = getattr(experts, name).shape
-            dev = getattr(experts, name).device
-            A = torch.empty(E, rank, inp, device=dev)
+            W = getattr(experts, name)
+            E, out, inp = W.shape
+            dev, dt = W.device, torch.promote_types(W.dtype, torch.float32)
+            A = torch.empty(E, rank, inp, device=dev, dtype=dt)
             for e in range(E):
                 nn.init.kaiming_uniform_(A[e], a=math.sqrt(5))
             self.register_parameter(f"{name}_A", nn.Parameter(A))
-            self.register_parameter(f"{name}_B", nn.Parameter(torch.zeros(E, out, rank, device=dev)))
+            self.register_parameter(f"{name}_B", nn.Parameter(torch.zeros(E, out, rank, device=dev, dtype=dt)))
+
+    merged = False
 
     def delta(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor | None:
-        if name not in self.names:
+        if name not in self.names or self.merged:
             return None
         A, B = getattr(self, f"{name}_A")[e], getattr(self, f"{name}_B")[e]
-        return (x @ A.t()) @ B.t() * self.scaling
+        return ((x.to(A.dtype) @ A.t()) @ B.t() * self.scaling).to(x.dtype)
+
+
+@torch.no_grad()
+def merge(model: nn.Module, sign: float = 1.0) -> None:
+    """Fold every adapter into its base weights in place, for inference without the LoRA path;
+    ``unmerge`` takes them out again. The base tensors are updated, never copied."""
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear) and m.merged != (sign > 0):
+            m.merge(sign)
+        elif isinstance(m, ExpertsLoRA) and m.merged != (sign > 0):
+            experts = model.get_submodule(name.removesuffix(".lora"))
+            for p in m.names:
+                A, B = getattr(m, f"{p}_A"), getattr(m, f"{p}_B")
+                getattr(experts, p).data += sign * torch.bmm(B, A).to(getattr(experts, p).dtype) * m.scaling
+            m.merged = sign > 0
+
+
+def unmerge(model: nn.Module) -> None:
+    merge(model, -1.0)
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:

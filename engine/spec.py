@@ -37,6 +37,7 @@ class JobSpec:
     max_steps: int | None = None
     max_seq_len: int | None = None  # None: the model's maximum
     warmup_ratio: float = 0.05
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer step: same update, less memory
     packing: bool = True  # several short examples per row, attention kept inside each
     group_by_length: bool = False  # batches of similar lengths: less padding, but on mixed data (the
     # sample set: short text and longer image questions) task-uniform batches slowed convergence

@@ -95,6 +95,24 @@ def evaluate(model: torch.nn.Module, data: Dataset, indices: list[int], bs: int,
     return {"valid_loss": total / max(n, 1), "valid_mean_token_accuracy": right / max(n, 1)}
 
 
+def _accumulate(model, samples, micro: int, pad: int, pack_to: int | None, device) -> tuple[torch.Tensor, int, int, int, int]:
+    """Forward and backward the step's examples in ``micro`` parts, each weighted by its share
+    of the step's target tokens: the gradient equals the whole batch's. Returns (loss, targets,
+    right, tokens, rows) for the step."""
+    total = sum(s.targets for s in samples) or 1
+    size = math.ceil(len(samples) / micro)
+    loss_sum, n_sum, right_sum, seen, rows = 0.0, 0, 0, 0, 0
+    for i in range(0, len(samples), size):
+        batch = collate(samples[i:i + size], pad, pack_to)
+        loss, n, right = batch_loss(model, batch, device)
+        (loss * (n / total)).backward()
+        loss_sum += float(loss.detach()) * n
+        n_sum, right_sum = n_sum + n, right_sum + right
+        seen += int((batch["input_ids_BT"] != pad).sum())
+        rows += batch["input_ids_BT"].shape[0]
+    return torch.tensor(loss_sum / max(n_sum, 1)), n_sum, right_sum, seen, rows
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -194,21 +212,18 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
         if order[0] != epoch:
             order = (epoch, epoch_batches(train_set.lengths, train_idx, hp.batch_size, spec.seed, epoch,
                                           spec.group_by_length))
-        batch = collate([train_set[i] for i in order[1][index]], pad, pack_to)
-        loss, n, right = batch_loss(model, batch, device)
-        loss.backward()
+        samples = [train_set[i] for i in order[1][index]]
+        loss, n, right, seen, rows = _accumulate(model, samples, spec.gradient_accumulation_steps, pad, pack_to, device)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        seen = int((batch["input_ids_BT"] != pad).sum())
         tokens += seen
-        metrics = {"step": step, "total_steps": hp.total_steps, "epoch": epoch + 1, "train_loss": float(loss.detach()),
+        metrics = {"step": step, "total_steps": hp.total_steps, "epoch": epoch + 1, "train_loss": float(loss),
                    "train_mean_token_accuracy": right / max(n, 1), "learning_rate": sched.get_last_lr()[0],
                    "grad_norm": float(grad_norm), "tokens_per_second": seen / (time.perf_counter() - t0),
-                   "trained_tokens": tokens, "rows": batch["input_ids_BT"].shape[0],
-                   "padding": 1 - seen / batch["input_ids_BT"].numel(), "peak_memory_mb": peak_memory_mb(device)}
+                   "trained_tokens": tokens, "rows": rows, "peak_memory_mb": peak_memory_mb(device)}
         is_ckpt = step % hp.checkpoint_interval == 0 or step == hp.total_steps
         if is_ckpt and valid_idx:
             metrics.update(evaluate(model, valid_set, valid_idx, hp.batch_size, pad, pack_to, device))

@@ -65,7 +65,7 @@ def build_spec(job: Job) -> JobSpec:
             learning_rate_multiplier=hp.get("learning_rate_multiplier", "auto"),
             checkpoint_interval=hp.get("checkpoint_interval"), max_steps=hp.get("max_steps"),
             max_seq_len=hp.get("max_seq_len"), warmup_ratio=hp.get("warmup_ratio", 0.05), seed=job.seed,
-            packing=hp.get("packing", True), group_by_length=hp.get("group_by_length", False),
+            gradient_accumulation_steps=hp.get("gradient_accumulation_steps", 1), packing=hp.get("packing", True), group_by_length=hp.get("group_by_length", False),
             validation_split=0.0 if job.validation_file else hp.get("validation_split", 0.0),
             lora=LoraSpec(**job.lora), resume_from=last.store_key if last else None)
 

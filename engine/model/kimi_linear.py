@@ -189,6 +189,7 @@ class Router(nn.Module):
         self.renorm, self.scale = c.moe_renormalize, c.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(self.E, c.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.E))
+        self.load: torch.Tensor | None = None  # tokens per expert, counted while training
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(f32(x_ND), f32(self.weight)).sigmoid()
@@ -198,10 +199,25 @@ class Router(nn.Module):
             keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, -1)[1], 1.0).bool()
             choice = choice.masked_fill(~keep.repeat_interleave(self.E // self.groups, 1), float("-inf"))
         idx = choice.topk(self.k, -1, sorted=False)[1]
+        if self.training:  # tokens per expert since the last balancing update
+            counts = torch.bincount(idx.flatten(), minlength=self.E)
+            self.load = counts if self.load is None else self.load + counts
         w = scores.gather(1, idx)
         if self.renorm:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         return idx, w * self.scale
+
+
+    @torch.no_grad()
+    def update_bias(self, rate: float) -> None:
+        """Aux-loss-free balancing (DeepSeek V3 / K3): raise the bias of under-used experts and
+        lower the over-used, by ``rate`` each, mean-free; the bias only chooses, never weighs."""
+        if self.load is None:
+            return
+        load = self.load.float()
+        db = rate * torch.sign(load.mean() - load)
+        self.e_score_correction_bias += (db - db.mean()).to(self.e_score_correction_bias.dtype)
+        self.load = None
 
 
 class Experts(nn.Module):

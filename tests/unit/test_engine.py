@@ -121,3 +121,19 @@ def test_validation_split_holds_out_examples_and_reports_their_loss(tmp_path):
     assert result.status == "succeeded"
     assert any("180 training examples" in m and "60 validation examples" in m for m in rec.messages)
     assert "valid_loss" in rec.losses[5] and "valid_loss" in rec.losses[10] and "valid_loss" not in rec.losses[4]
+
+
+def test_gradient_accumulation_makes_the_same_update(tmp_path):
+    """Four micro-batches of two examples step like one batch of eight."""
+    states = []
+    for micro in (1, 4):
+        store = LocalStore(tmp_path / f"m{micro}")
+        rec = Recorder()
+        engine.train(spec(max_steps=2, checkpoint_interval=2, gradient_accumulation_steps=micro,
+                          lora=LoraSpec(rank=4, alpha=8, dropout=0.0)), store, rec)
+        states.append((load_file(str(store.path(rec.checkpoints[-1][1]) / "adapter_model.safetensors")), rec.losses))
+    (a, la), (b, lb) = states
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
+    assert abs(la[1] - lb[1]) < 1e-5 and abs(la[2] - lb[2]) < 1e-4

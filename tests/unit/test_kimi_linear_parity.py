@@ -66,7 +66,7 @@ def test_packed_documents_equal_each_alone(saved):
     ids = torch.randint(3, 300, (1, sum(lens)), generator=torch.Generator().manual_seed(1))
     docs = torch.cat([torch.full((n,), d) for d, n in enumerate(lens)])[None]
     with torch.no_grad():
-        packed = model(ids, docs)
+        packed = model(ids, doc_ids_BT=docs)
         at = 0
         for n in lens:  # KDA state, short convolutions and attention all restart per document
             alone = model(ids[:, at:at + n])

@@ -1,0 +1,62 @@
+"""LoRA merge/unmerge in place, and the aux-loss-free router balancing."""
+from __future__ import annotations
+
+import torch
+
+from engine.lora import apply_lora, merge, unmerge
+from engine.model.kimi_linear import KimiLinearForCausalLM, Router
+from engine.models import init_kimi_linear, kimi_linear_tiny_config
+from engine.spec import LoraSpec
+
+
+def kimi(seed=0):
+    m = KimiLinearForCausalLM(kimi_linear_tiny_config()).double()
+    init_kimi_linear(m, seed)
+    return m.double().eval()
+
+
+def test_merge_then_unmerge_in_place():
+    model = kimi()
+    apply_lora(model, LoraSpec(rank=4, target_modules=["q_proj", "o_proj", "down_proj"],
+                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * 0.05)
+    ids = torch.randint(0, 263, (2, 30), generator=torch.Generator().manual_seed(1))
+    base = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters() if not p.requires_grad}
+    with torch.no_grad():
+        with_lora = model(ids)
+        merge(model)
+        merged = model(ids)
+        unmerge(model)
+        after = model(ids)
+    assert float((merged - with_lora).norm() / with_lora.norm()) < 1e-12
+    assert float((after - with_lora).norm() / with_lora.norm()) < 1e-12
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.data_ptr() == ptrs[n] and torch.allclose(p, base[n], atol=1e-14, rtol=0)  # never copied
+
+
+def test_bias_balancing_evens_out_expert_load():
+    model = kimi(3).float().train()
+    router = next(m for m in model.modules() if isinstance(m, Router))
+    with torch.no_grad():
+        router.weight[0] += 0.5  # expert 0 is everyone's favourite
+    x = torch.randn(512, 128, generator=torch.Generator().manual_seed(0))
+
+    def spread():
+        router.load = None
+        router(x)
+        load = router.load.float()
+        return float(load.max() - load.min()), load
+
+    first, _ = spread()
+    router.load = None
+    for _ in range(200):
+        router(x)
+        router.update_bias(1e-2)
+    last, load = spread()
+    assert last < first / 2, (first, last, load)
+    assert abs(float(router.e_score_correction_bias.mean())) < 1e-6  # mean-free updates
