@@ -1,0 +1,109 @@
+"""Gated DeepSeek Sparse Attention: MLA (DeepSeek V3's, with RoPE on the rope dims) whose keys
+are chosen per query by the lightning indexer, plus an output gate (K3's gated MLA:
+attention output * sigmoid(g_proj(x)) before o_proj; ``gated=False`` is DeepSeek V3.2).
+
+Names follow transformers' ``deepseek_v32`` (``q_a_proj``, ``indexer.wq_b``, ...), so its
+weights load as they are. The indexer learns only from its KL loss (``last_indexer_loss``,
+recorded while training): its input is detached from the main model.
+
+Legend: B batch, T tokens, D hidden, H heads, J index heads.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.kimi_linear import RMSNorm
+from kernels.dsa import indexer_kl_loss, indexer_scores, select_topk, sparse_attention
+
+
+def rope_cos_sin(positions_BT: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions_BT.device, dtype=torch.float64) / dim)
+    ang = positions_BT[..., None].double() * inv  # [B, T, dim/2]
+    return ang.cos(), ang.sin()
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_i, x_{i+dim/2}): the indexer's layout."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x_{2i}, x_{2i+1}), output de-interleaved: DeepSeek MLA's layout."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+class Indexer(nn.Module):
+    def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, rope_dim: int):
+        super().__init__()
+        self.J, self.Dh, self.rope = heads, head_dim, rope_dim
+        self.wq_b = nn.Linear(q_lora_rank, heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(hidden, heads, bias=False)
+
+    def forward(self, x_BTD, q_resid_BTR, cos, sin, allowed_BTS) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        q = self.wq_b(q_resid_BTR).view(B, T, self.J, self.Dh)
+        k = self.k_norm(self.wk(x_BTD))
+        q = torch.cat([rope_half(q[..., :self.rope], cos[:, :, None], sin[:, :, None]), q[..., self.rope:]], -1)
+        k = torch.cat([rope_half(k[..., :self.rope], cos, sin), k[..., self.rope:]], -1)
+        w = self.weights_proj(x_BTD) * self.J ** -0.5
+        return indexer_scores(q, k, w, allowed_BTS)
+
+
+class GatedDSAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope: int, qk_rope: int,
+                 v_dim: int, index_heads: int, index_head_dim: int, index_topk: int, rope_theta: float = 10000.0,
+                 eps: float = 1e-6, gated: bool = True):
+        super().__init__()
+        self.H, self.nope, self.rope, self.v, self.rank = heads, qk_nope, qk_rope, v_dim, kv_lora_rank
+        self.topk, self.theta = index_topk, rope_theta
+        self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(q_lora_rank, heads * (qk_nope + qk_rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_lora_rank + qk_rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, heads * (qk_nope + v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * v_dim, hidden, bias=False)
+        self.g_proj = nn.Linear(hidden, heads * v_dim, bias=False) if gated else None
+        self.indexer = Indexer(hidden, q_lora_rank, index_heads, index_head_dim, qk_rope)
+        self.last_indexer_loss: torch.Tensor | None = None
+
+    def forward(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor | None = None,
+                doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        pos = positions_BT if positions_BT is not None else torch.arange(T, device=x_BTD.device).expand(B, T)
+        allowed = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril().expand(B, T, T)
+        if doc_ids_BT is not None:
+            allowed = allowed & (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :])
+        q_resid = self.q_a_layernorm(self.q_a_proj(x_BTD))
+        q = self.q_b_proj(q_resid).view(B, T, self.H, -1).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope, self.rope], -1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x_BTD).split([self.rank, self.rope], -1)
+        cos, sin = rope_cos_sin(pos, self.rope, self.theta)
+        q_rot = rope_interleaved(q_rot, cos[:, None], sin[:, None])
+        k_rot = rope_interleaved(k_rot, cos, sin)[:, None].expand(B, self.H, T, self.rope)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.H, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v], -1)
+        q = torch.cat([q_nope, q_rot], -1)
+        k = torch.cat([k_nope, k_rot], -1)
+        detached = (x_BTD.detach(), q_resid.detach())  # the indexer learns from its own loss only
+        scores = self.indexer(*detached, cos, sin, allowed)
+        selected = select_topk(scores, self.topk, allowed)
+        scale = (self.nope + self.rope) ** -0.5
+        o = sparse_attention(q, k, v, selected, scale)  # [B, H, T, v]
+        if self.training:
+            with torch.no_grad():
+                probs = torch.softmax((q @ k.transpose(-1, -2) * scale).masked_fill(~selected[:, None], float("-inf")), -1)
+            self.last_indexer_loss = indexer_kl_loss(probs, scores, selected)
+        o = o.transpose(1, 2).reshape(B, T, -1)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x_BTD))
+        return self.o_proj(o)

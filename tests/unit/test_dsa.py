@@ -1,0 +1,113 @@
+"""Gated DSA: parity with transformers' DeepSeek V3.2 attention, top-k >= length is dense
+causal attention, documents stay apart, and the indexer learns from its KL loss only."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.dsa import GatedDSAttention
+from kernels.dsa import indexer_kl_loss, indexer_scores, select_topk
+
+DIMS = dict(hidden=64, heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope=16, qk_rope=8, v_dim=16,
+            index_heads=3, index_head_dim=16)
+
+
+def module(topk, gated=True, seed=0, dtype=torch.float64, **dims):
+    torch.manual_seed(seed)
+    m = GatedDSAttention(**{**DIMS, **dims}, index_topk=topk, gated=gated).to(dtype)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    return m
+
+
+def rel(a, b):
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+def test_parity_with_transformers_deepseek_v32_attention():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention, DeepseekV32RotaryEmbedding
+
+    cfg = transformers.DeepseekV32Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=5,
+        vocab_size=100, num_hidden_layers=1, intermediate_size=64, moe_intermediate_size=32)
+    cfg._attn_implementation = "eager"
+    theirs = DeepseekV32Attention(cfg, 0).eval()
+    # 16 index heads: a key scores exactly 0 (all ReLUs off) with odds 2^-16, so no ties, whose
+    # order transformers' topk and our stable sort settle differently
+    ours = module(topk=5, gated=False, dtype=torch.float32, index_heads=16).eval()
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    assert not missing and not unexpected
+    B, T = 2, 23
+    x = torch.randn(B, T, 64, generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(T)[None].expand(B, T)
+    cos_sin = DeepseekV32RotaryEmbedding(cfg)(x, pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None].expand(B, 1, T, T)
+    with torch.no_grad():
+        want, _ = theirs(x, cos_sin, mask)
+        got = ours(x, pos)
+    assert rel(got, want) < 1e-4, rel(got, want)
+
+
+def test_topk_at_least_the_length_is_dense_causal_attention():
+    m = module(topk=40, gated=False).eval()
+    x = torch.randn(2, 40, 64, dtype=torch.float64)
+    with torch.no_grad():
+        got = m(x)
+        assert torch.isfinite(got).all()
+        sparse = module(topk=5, gated=False).eval()(x)
+    assert rel(got, sparse) > 1e-3  # a small top-k really drops keys
+    # top-k = T selects every allowed key: the same as plain causal attention over all of them
+    with torch.no_grad():
+        m.indexer.weights_proj.weight.zero_()  # every score ties at 0: the selection cannot matter
+        assert rel(m(x), got) < 1e-12
+
+
+def test_select_topk_and_scores_respect_the_mask():
+    B, T, J, D = 1, 12, 2, 8
+    g = torch.Generator().manual_seed(0)
+    q, k, w = torch.randn(B, T, J, D, generator=g), torch.randn(B, T, D, generator=g), torch.rand(B, T, J, generator=g)
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    s = indexer_scores(q, k, w, allowed)
+    assert torch.isinf(s[0][~allowed[0]]).all() and torch.isfinite(s[0][allowed[0]]).all()
+    sel = select_topk(s, 4, allowed)
+    assert (sel.sum(-1)[0] == torch.clamp(torch.arange(1, T + 1), max=4)).all()
+    assert not (sel & ~allowed).any()
+    want = (w[..., None] * F.relu(torch.einsum("btjd,bsd->btjs", q, k) * D ** -0.5)).sum(2)
+    assert torch.allclose(s[0][allowed[0]], want[0][allowed[0]])
+
+
+def test_documents_stay_apart_and_the_gate_matters():
+    m = module(topk=6)
+    m.eval()
+    x = torch.randn(1, 30, 64, dtype=torch.float64)
+    docs = torch.tensor([[0] * 11 + [1] * 19])
+    pos = torch.cat([torch.arange(11), torch.arange(19)])[None]
+    with torch.no_grad():
+        packed = m(x, pos, docs)
+        first, second = m(x[:, :11]), m(x[:, 11:])
+    assert rel(packed[:, :11], first) < 1e-12 and rel(packed[:, 11:], second) < 1e-12
+    ungated = module(topk=6, gated=False).eval()
+    with torch.no_grad():
+        assert rel(ungated(x), m(x)) > 1e-2
+
+
+def test_indexer_learns_only_from_its_loss():
+    m = module(topk=4).train()
+    x = torch.randn(2, 16, 64, dtype=torch.float64, requires_grad=True)
+    out = m(x)
+    out.sum().backward(retain_graph=True)
+    assert all(p.grad is None for p in m.indexer.parameters())  # the main loss does not reach it
+    loss = m.last_indexer_loss
+    assert loss is not None and float(loss) >= 0
+    x.grad = None
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.indexer.parameters())
+    assert x.grad is None or float(x.grad.abs().sum()) == 0.0  # and it does not reach the model
+    probs = torch.softmax(torch.randn(1, 2, 5, 5, dtype=torch.float64), -1)
+    sel = torch.ones(1, 5, 5, dtype=torch.bool)
+    target = probs.sum(1) / probs.sum(1).sum(-1, keepdim=True)
+    assert float(indexer_kl_loss(probs, torch.log(target), sel)) < 1e-12  # zero at the target
