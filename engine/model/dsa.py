@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.kimi_linear import RMSNorm
+from engine.model.layers import RMSNorm
 from kernels.dsa import indexer_kl_loss, indexer_scores, select_topk, sparse_attention
 
 

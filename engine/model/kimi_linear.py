@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.layers import GatedRMSNorm, RMSNorm, f32
+from engine.model.moe import MLP, MoE
 from kernels.kda import kda_chunk, kda_gate
 
 
@@ -63,32 +65,9 @@ class KimiLinearConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def f32(x: torch.Tensor) -> torch.Tensor:
-    """At least fp32: fp64 stays fp64 (the checks run the model in fp64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """fla's form: x / sqrt(sum x^2 + eps)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = f32(x)
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
-class GatedRMSNorm(RMSNorm):
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = f32(x)
-        y = f32(self.weight) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * torch.sigmoid(f32(gate))).to(x.dtype)
 
 
 class ForgetGate(nn.Module):
@@ -170,101 +149,15 @@ class MLAttention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, D: int, inter: int):
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(D, inter, bias=False), nn.Linear(D, inter, bias=False)
-        self.down_proj = nn.Linear(inter, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Router(nn.Module):
-    """Sigmoid scores; the bias (aux-loss-free balancing) only chooses, the scores weigh."""
-
-    def __init__(self, c: KimiLinearConfig):
-        super().__init__()
-        self.E, self.k, self.groups, self.topk_group = c.num_experts, c.num_experts_per_token, c.num_expert_group, c.topk_group
-        self.renorm, self.scale = c.moe_renormalize, c.routed_scaling_factor
-        self.weight = nn.Parameter(torch.zeros(self.E, c.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(self.E))
-        self.load: torch.Tensor | None = None  # tokens per expert, counted while training
-
-    def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(f32(x_ND), f32(self.weight)).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        if self.groups > 1:
-            best = choice.view(-1, self.groups, self.E // self.groups).topk(2, -1)[0].sum(-1)
-            keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, -1)[1], 1.0).bool()
-            choice = choice.masked_fill(~keep.repeat_interleave(self.E // self.groups, 1), float("-inf"))
-        idx = choice.topk(self.k, -1, sorted=False)[1]
-        if self.training:  # tokens per expert since the last balancing update
-            counts = torch.bincount(idx.flatten(), minlength=self.E)
-            self.load = counts if self.load is None else self.load + counts
-        w = scores.gather(1, idx)
-        if self.renorm:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, w * self.scale
-
-
-    @torch.no_grad()
-    def update_bias(self, rate: float) -> None:
-        """Aux-loss-free balancing (DeepSeek V3 / K3): raise the bias of under-used experts and
-        lower the over-used, by ``rate`` each, mean-free; the bias only chooses, never weighs."""
-        if self.load is None:
-            return
-        load = self.load.float()
-        db = rate * torch.sign(load.mean() - load)
-        self.e_score_correction_bias += (db - db.mean()).to(self.e_score_correction_bias.dtype)
-        self.load = None
-
-
-class Experts(nn.Module):
-    """Grouped expert weights, one tensor per projection. The reference forward: a loop."""
-
-    def __init__(self, c: KimiLinearConfig):
-        super().__init__()
-        E, D, I = c.num_experts, c.hidden_size, c.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, D))
-        self.down_proj = nn.Parameter(torch.zeros(E, D, I))
-
-    def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-        lora = getattr(self, "lora", None)  # engine.lora.ExpertsLoRA, when fine-tuning the experts
-
-        def proj(name: str, e: int, x: torch.Tensor) -> torch.Tensor:
-            y = F.linear(x, getattr(self, name)[e])
-            d = lora.delta(name, e, x) if lora is not None else None
-            return y if d is None else y + d
-
-        out = torch.zeros_like(x_ND)
-        for e in idx_NK.unique().tolist():
-            tok, slot = (idx_NK == e).nonzero(as_tuple=True)
-            gate, up = proj("gate_up_proj", e, x_ND[tok]).chunk(2, -1)
-            y = proj("down_proj", e, F.silu(gate) * up) * w_NK[tok, slot, None].to(x_ND.dtype)
-            out.index_add_(0, tok, y)
-        return out
-
-
-class MoE(nn.Module):
-    def __init__(self, c: KimiLinearConfig):
-        super().__init__()
-        self.gate = Router(c)
-        self.experts = Experts(c)
-        self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.num_shared_experts)
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        flat = x_BTD.reshape(-1, x_BTD.shape[-1])
-        idx, w = self.gate(flat)
-        return self.experts(flat, idx, w).view_as(x_BTD) + self.shared_experts(x_BTD)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, c: KimiLinearConfig, i: int):
         super().__init__()
         self.kind = c.layer_types[i]
         self.self_attn = MLAttention(c) if self.kind == "full_attention" else KimiDeltaAttention(c)
-        self.mlp = MoE(c) if c.mlp_layer_types[i] == "sparse" else MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = (MoE(c.hidden_size, c.num_experts, c.num_experts_per_token, c.moe_intermediate_size,
+                        c.num_shared_experts * c.moe_intermediate_size, groups=c.num_expert_group,
+                        topk_group=c.topk_group, renorm=c.moe_renormalize, scale=c.routed_scaling_factor)
+                    if c.mlp_layer_types[i] == "sparse" else MLP(c.hidden_size, c.intermediate_size))
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

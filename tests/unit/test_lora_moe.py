@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from engine.lora import apply_lora, merge, unmerge
-from engine.model.kimi_linear import KimiLinearForCausalLM, Router
+from engine.model.kimi_linear import KimiLinearForCausalLM
+from engine.model.moe import Router
 from engine.models import init_kimi_linear, kimi_linear_tiny_config
 from engine.spec import LoraSpec
 
