@@ -19,8 +19,8 @@ KIMI_LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "b_proj", "g_a_pr
                        "f_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj")
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
-# image_tokens None: a text-only model. kimi-linear-tiny's throughput (reference KDA, CPU):
-# ~1,000 tokens/s measured on the 2-core development VM.
+# image_tokens None: a text-only model. Throughputs with the reference kernels on the 2-core
+# development VM: kimi-linear-tiny ~1,000 tokens/s, kiln-hybrid-tiny ~500 (estimates' basis).
 BASE_MODELS: dict[str, dict] = {
     "kiln-tiny": {"created": 1764633600, "targets": LLAMA_STYLE_TARGETS, "default_targets": LLAMA_STYLE_TARGETS,
                   "parameters": (), "max_seq_len": 2048, "image_tokens": 16, "tokens_per_second": 4000},
@@ -28,6 +28,11 @@ BASE_MODELS: dict[str, dict] = {
                          "default_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
                          "parameters": EXPERT_PARAMETERS, "max_seq_len": 4096, "image_tokens": None,
                          "tokens_per_second": 1000},
+    "kiln-hybrid-tiny": {"created": 1796256000, "targets": KIMI_LINEAR_TARGETS + ("q_a_proj", "q_b_proj", "g_proj"),
+                         "default_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "gate_proj",
+                                             "up_proj", "down_proj"),
+                         "parameters": EXPERT_PARAMETERS, "max_seq_len": 4096, "image_tokens": 16,
+                         "tokens_per_second": 500},
 }
 
 

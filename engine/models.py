@@ -4,6 +4,8 @@ built-in models are written once, from a fixed seed, in their family's real on-d
 - ``kiln-tiny``: a small Llama-style decoder with a patch-embedding image encoder.
 - ``kimi-linear-tiny``: Kimi Linear (3 KDA blocks : 1 MLA block, sigmoid-routed MoE) at test
   size, saved in Kimi's checkpoint layout; text only.
+- ``kiln-hybrid-tiny``: the K3-style hybrid (KDA + Gated DSA, LatentMoE with SiTU, Block
+  AttnRes, an image encoder) at test size, in Kiln's own layout (module names).
 """
 from __future__ import annotations
 
@@ -19,12 +21,39 @@ import torch
 from torch import nn
 
 from engine.checkpoint.hf import load_kimi_linear, save_kimi_linear
+from engine.config import ModelConfig
+from engine.model.hybrid import HybridForCausalLM
 from engine.model.kimi_linear import ForgetGate, KimiLinearConfig, KimiLinearForCausalLM
 from engine.tiny_model import TinyConfig, TinyForCausalLM, init_weights, load_pretrained, save_pretrained
 from kiln.tokenizer import ByteTokenizer
 
 BUILTIN_SEED = 20261202
-LOADERS: dict[str, Callable[[Path], nn.Module]] = {"kiln_tiny": load_pretrained, "kimi_linear": load_kimi_linear}
+
+
+def save_hybrid(model: HybridForCausalLM, folder: Path) -> None:
+    """config.json (model_type kiln_hybrid, the ModelConfig) + model.safetensors, module names."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"model_type": "kiln_hybrid", "image_token_id": model.image_token_id,
+           "model": json.loads(model.config.to_json())}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_hybrid(folder: Path) -> HybridForCausalLM:
+    from safetensors.torch import load_file
+
+    raw = json.loads((folder / "config.json").read_text())
+    with torch.device("meta"):
+        model = HybridForCausalLM(ModelConfig.from_json(json.dumps(raw["model"])), raw.get("image_token_id"))
+    model.load_state_dict(load_file(str(folder / "model.safetensors")), assign=True, strict=True)
+    return model
+
+
+LOADERS: dict[str, Callable[[Path], nn.Module]] = {"kiln_tiny": load_pretrained, "kimi_linear": load_kimi_linear,
+                                                   "kiln_hybrid": load_hybrid}
 
 
 def kimi_linear_tiny_config() -> KimiLinearConfig:
@@ -61,7 +90,28 @@ def _kimi_linear_tiny(folder: Path) -> None:
     save_kimi_linear(model, folder)
 
 
-BUILTINS: dict[str, Callable[[Path], None]] = {"kiln-tiny": _kiln_tiny, "kimi-linear-tiny": _kimi_linear_tiny}
+def _kiln_hybrid_tiny(folder: Path) -> None:
+    c = ModelConfig.debug(vocab_size=ByteTokenizer.vocab_size)
+    c.hidden, c.layers, c.attn_res_block = 128, 4, 4  # 3 KDA : 1 Gated DSA, two AttnRes blocks
+    c.kda.heads, c.kda.head_dim = 4, 32
+    model = HybridForCausalLM(c, image_token_id=ByteTokenizer().special("<|image|>"))
+    g = torch.Generator().manual_seed(BUILTIN_SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias") or "attn_res" in name or "position_embedding" in name:
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        for m in model.modules():
+            if isinstance(m, ForgetGate):
+                m.A_log.copy_(torch.empty_like(m.A_log).uniform_(1.0, 16.0, generator=g).log())
+    save_hybrid(model, folder)
+
+
+BUILTINS: dict[str, Callable[[Path], None]] = {"kiln-tiny": _kiln_tiny, "kimi-linear-tiny": _kimi_linear_tiny,
+                                               "kiln-hybrid-tiny": _kiln_hybrid_tiny}
 
 
 def ensure_builtin(name: str, folder: Path) -> None:

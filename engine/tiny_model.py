@@ -108,14 +108,14 @@ class Block(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """Non-overlapping patches, a linear patch embedding, learned positions, one MLP."""
+    """Non-overlapping patches, a linear patch embedding, learned positions, a norm."""
 
-    def __init__(self, c: TinyConfig):
+    def __init__(self, patch: int, hidden: int, tokens: int, eps: float):
         super().__init__()
-        self.patch = c.patch_size
-        self.patch_embed = nn.Linear(3 * c.patch_size ** 2, c.hidden_size)
-        self.position_embedding = nn.Parameter(torch.zeros(c.image_tokens, c.hidden_size))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.patch = patch
+        self.patch_embed = nn.Linear(3 * patch ** 2, hidden)
+        self.position_embedding = nn.Parameter(torch.zeros(tokens, hidden))
+        self.norm = RMSNorm(hidden, eps)
 
     def forward(self, pixels_NCHW: torch.Tensor) -> torch.Tensor:
         N, C, H, W = pixels_NCHW.shape
@@ -131,7 +131,7 @@ class TinyCore(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.vision_tower = VisionTower(c)
+        self.vision_tower = VisionTower(c.patch_size, c.hidden_size, c.image_tokens, c.rms_norm_eps)
         self.multi_modal_projector = nn.Linear(c.hidden_size, c.hidden_size)
 
 
@@ -141,6 +141,7 @@ class TinyForCausalLM(nn.Module):
         self.config = config
         self.model = TinyCore(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.image_tokens, self.image_size = config.image_tokens, config.image_size
 
     def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
                 doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:

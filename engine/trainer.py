@@ -159,7 +159,7 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
     longest = getattr(cfg, "max_position_embeddings", DEFAULT_MAX_LEN)
     max_len = min(spec.max_seq_len or longest, longest)
     pack_to = max_len if spec.packing else None
-    image_size, image_tokens = getattr(cfg, "image_size", 0), getattr(cfg, "image_tokens", None)
+    image_size, image_tokens = getattr(model, "image_size", 0), getattr(model, "image_tokens", None)  # None: text only
 
     reporter.message("Indexing the dataset")
     cache = ImageCache(image_size)

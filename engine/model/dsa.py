@@ -52,8 +52,9 @@ class Indexer(nn.Module):
         B, T, _ = x_BTD.shape
         q = self.wq_b(q_resid_BTR).view(B, T, self.J, self.Dh)
         k = self.k_norm(self.wk(x_BTD))
-        q = torch.cat([rope_half(q[..., :self.rope], cos[:, :, None], sin[:, :, None]), q[..., self.rope:]], -1)
-        k = torch.cat([rope_half(k[..., :self.rope], cos, sin), k[..., self.rope:]], -1)
+        if cos is not None:  # NoPE models (K3) leave the indexer unrotated too
+            q = torch.cat([rope_half(q[..., :self.rope], cos[:, :, None], sin[:, :, None]), q[..., self.rope:]], -1)
+            k = torch.cat([rope_half(k[..., :self.rope], cos, sin), k[..., self.rope:]], -1)
         w = self.weights_proj(x_BTD) * self.J ** -0.5
         return indexer_scores(q, k, w, allowed_BTS)
 
@@ -61,10 +62,10 @@ class Indexer(nn.Module):
 class GatedDSAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope: int, qk_rope: int,
                  v_dim: int, index_heads: int, index_head_dim: int, index_topk: int, rope_theta: float = 10000.0,
-                 eps: float = 1e-6, gated: bool = True):
+                 eps: float = 1e-6, gated: bool = True, rope: bool = True):
         super().__init__()
         self.H, self.nope, self.rope, self.v, self.rank = heads, qk_nope, qk_rope, v_dim, kv_lora_rank
-        self.topk, self.theta = index_topk, rope_theta
+        self.topk, self.theta, self.use_rope = index_topk, rope_theta, rope  # rope=False: K3's NoPE
         self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(q_lora_rank, eps)
         self.q_b_proj = nn.Linear(q_lora_rank, heads * (qk_nope + qk_rope), bias=False)
@@ -87,9 +88,12 @@ class GatedDSAttention(nn.Module):
         q = self.q_b_proj(q_resid).view(B, T, self.H, -1).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope], -1)
         latent, k_rot = self.kv_a_proj_with_mqa(x_BTD).split([self.rank, self.rope], -1)
-        cos, sin = rope_cos_sin(pos, self.rope, self.theta)
-        q_rot = rope_interleaved(q_rot, cos[:, None], sin[:, None])
-        k_rot = rope_interleaved(k_rot, cos, sin)[:, None].expand(B, self.H, T, self.rope)
+        cos = sin = None
+        if self.use_rope:
+            cos, sin = rope_cos_sin(pos, self.rope, self.theta)
+            q_rot = rope_interleaved(q_rot, cos[:, None], sin[:, None])
+            k_rot = rope_interleaved(k_rot, cos, sin)
+        k_rot = k_rot[:, None].expand(B, self.H, T, self.rope)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.H, -1).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v], -1)
         q = torch.cat([q_nope, q_rot], -1)

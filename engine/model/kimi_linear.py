@@ -71,18 +71,19 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class ForgetGate(nn.Module):
-    def __init__(self, c: KimiLinearConfig):
+    """The per-channel log decay: low-rank projection, then kda_gate (K3: lower bound -5)."""
+
+    def __init__(self, hidden: int, H: int, K: int, lower_bound: float | None = None):
         super().__init__()
-        H, K = c.linear_num_heads, c.linear_head_dim
-        self.f_a_proj = nn.Linear(c.hidden_size, K, bias=False)
+        self.f_a_proj = nn.Linear(hidden, K, bias=False)
         self.f_b_proj = nn.Linear(K, H * K, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(H * K))
         self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1))
-        self.H, self.K = H, K
+        self.H, self.K, self.lower_bound = H, K, lower_bound
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         g = self.f_b_proj(self.f_a_proj(x_BTD)).view(*x_BTD.shape[:2], self.H, self.K)
-        return kda_gate(g, self.A_log.view(self.H), self.dt_bias.view(self.H, self.K))
+        return kda_gate(g, self.A_log.view(self.H), self.dt_bias.view(self.H, self.K), self.lower_bound)
 
 
 def causal_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -96,17 +97,25 @@ def causal_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, c: KimiLinearConfig):
+    """KDA layer: q/k/v projections and short causal convolutions, the decay gate, beta, the
+    chunked delta rule, a gated RMSNorm per head and o_proj. ``full_rank_gate`` (K3): the output
+    gate is one D x HK projection (``g_proj``) instead of the low-rank g_a/g_b pair."""
+
+    def __init__(self, hidden: int, H: int, K: int, conv: int = 4, eps: float = 1e-5,
+                 gate_lower_bound: float | None = None, full_rank_gate: bool = False):
         super().__init__()
-        D, H, K = c.hidden_size, c.linear_num_heads, c.linear_head_dim
+        D = hidden
         self.H, self.K = H, K
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, H * K, bias=False) for _ in range(3))
-        self.conv1d = nn.Conv1d(3 * H * K, 3 * H * K, c.linear_conv_kernel_dim, groups=3 * H * K, bias=False)
-        self.forget_gate = ForgetGate(c)
+        self.conv1d = nn.Conv1d(3 * H * K, 3 * H * K, conv, groups=3 * H * K, bias=False)
+        self.forget_gate = ForgetGate(D, H, K, gate_lower_bound)
         self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_a_proj = nn.Linear(D, K, bias=False)
-        self.g_b_proj = nn.Linear(K, H * K, bias=False)
-        self.o_norm = GatedRMSNorm(K, c.rms_norm_eps)
+        if full_rank_gate:
+            self.g_proj = nn.Linear(D, H * K, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm = GatedRMSNorm(K, eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,7 +125,8 @@ class KimiDeltaAttention(nn.Module):
         g = self.forget_gate(x_BTD)
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
         o, _ = kda_chunk(l2norm(f32(q)), l2norm(f32(k)), f32(v), g, beta, cu_seqlens=cu_seqlens)
-        gate = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, self.H, self.K)
+        gate = (self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD)))
+        gate = gate.view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))
 
 
@@ -153,7 +163,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: KimiLinearConfig, i: int):
         super().__init__()
         self.kind = c.layer_types[i]
-        self.self_attn = MLAttention(c) if self.kind == "full_attention" else KimiDeltaAttention(c)
+        self.self_attn = (MLAttention(c) if self.kind == "full_attention" else
+                          KimiDeltaAttention(c.hidden_size, c.linear_num_heads, c.linear_head_dim,
+                                             c.linear_conv_kernel_dim, c.rms_norm_eps))
         self.mlp = (MoE(c.hidden_size, c.num_experts, c.num_experts_per_token, c.moe_intermediate_size,
                         c.num_shared_experts * c.moe_intermediate_size, groups=c.num_expert_group,
                         topk_group=c.topk_group, renorm=c.moe_renormalize, scale=c.routed_scaling_factor)

@@ -43,3 +43,20 @@ def test_text_only_model_refuses_images_naming_the_line(pg_stack, sample):
                                                  "images_file": images["id"]})
     assert r.status_code == 400
     assert "line 1: images: kimi-linear-tiny takes no image input" in r.json()["error"]["message"]
+
+
+def test_hybrid_tiny_job_with_images(pg_stack, sample):
+    """The K3-style hybrid (KDA + Gated DSA + LatentMoE + AttnRes + images) through the service."""
+    with pg_stack.client() as c:
+        up = lambda n: c.post("/v1/files", files={"file": (n, (sample / n).read_bytes())},
+                              data={"purpose": "fine-tune"}).json()["id"]
+        job = c.post("/v1/fine_tuning/jobs", json={
+            "model": "kiln-hybrid-tiny", "training_file": up("validation.jsonl"), "images_file": up("images.zip"),
+            "hyperparameters": {"n_epochs": 2, "batch_size": 8},
+            "lora": {"rank": 4, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}).json()
+        done = finished(c, job["id"], timeout=300)
+        assert done["status"] == "succeeded", done["error"]
+        r = c.get(f"/v1/fine_tuning/jobs/{job['id']}/adapter")
+    keys = set(load_safetensors(zipfile.ZipFile(io.BytesIO(r.content)).read("adapter_model.safetensors")))
+    assert "base_model.model.layers.3.self_attn.q_b_proj.lora_A.weight" in keys  # the Gated DSA block
+    assert "base_model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in keys

@@ -1,0 +1,95 @@
+"""The Kimi hybrid model: KDA and Gated DSA blocks by a pattern, (Latent)MoE, Attention
+Residuals, a small image encoder for ``<image>`` tokens. Single-device code; sized by
+engine.config.ModelConfig from the debug model to the flagship.
+
+Legend: B batch, T tokens, D hidden, N images.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.attnres import AttnResQueries, Residuals
+from engine.model.dsa import GatedDSAttention
+from engine.model.kimi_linear import KimiDeltaAttention
+from engine.model.layers import RMSNorm
+from engine.model.moe import MLP, MoE
+from engine.tiny_model import VisionTower
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, c: ModelConfig, i: int):
+        super().__init__()
+        self.kind = c.layer_kinds[i]
+        k, d, m = c.kda, c.dsa, c.moe
+        if self.kind == "kda":
+            self.self_attn = KimiDeltaAttention(c.hidden, k.heads, k.head_dim, k.conv, c.rms_eps,
+                                                k.gate_lower_bound, k.full_rank_gate)
+        else:
+            self.self_attn = GatedDSAttention(c.hidden, d.heads, d.q_lora_rank, d.kv_lora_rank, d.qk_nope, d.qk_rope,
+                                              d.v_dim, d.index_heads, d.index_head_dim, d.index_topk,
+                                              eps=c.rms_eps, gated=d.gated, rope=d.rope)
+        self.mlp = (MLP(c.hidden, m.dense_inter, c.activation) if i < m.first_dense else
+                    MoE(c.hidden, m.experts, m.top_k, m.inter, m.shared * m.inter, latent=m.latent,
+                        act=c.activation, eps=c.rms_eps, scale=m.routed_scale))
+        self.input_layernorm = RMSNorm(c.hidden, c.rms_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden, c.rms_eps)
+
+
+class HybridForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, image_token_id: int | None = None):
+        super().__init__()
+        c = self.config = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden)
+        self.layers = nn.ModuleList(HybridLayer(c, i) for i in range(c.layers))
+        self.norm = RMSNorm(c.hidden, c.rms_eps)
+        self.lm_head = nn.Linear(c.hidden, c.vocab_size, bias=False)
+        self.attn_res = AttnResQueries(2 * c.layers + 1, c.hidden) if c.attn_res else None
+        self.image_token_id = image_token_id
+        if c.vision:
+            tokens = (c.vision.image_size // c.vision.patch_size) ** 2
+            self.vision_tower = VisionTower(c.vision.patch_size, c.hidden, tokens, c.rms_eps)
+            self.multi_modal_projector = nn.Linear(c.hidden, c.hidden)
+
+    @property
+    def image_tokens(self) -> int | None:
+        v = self.config.vision
+        return (v.image_size // v.patch_size) ** 2 if v else None
+
+    @property
+    def image_size(self) -> int:
+        return self.config.vision.image_size if self.config.vision else 0
+
+    def indexer_loss(self) -> torch.Tensor | None:
+        """The DSA indexers' KL losses of the last training forward, summed (None in eval)."""
+        losses = [l.self_attn.last_indexer_loss for l in self.layers if l.kind == "dsa"
+                  and l.self_attn.last_indexer_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
+                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        B, T = input_ids_BT.shape
+        if doc_ids_BT is not None and B > 1:  # rows end to end: one KDA state per document
+            row = torch.arange(B, device=doc_ids_BT.device)[:, None] * (T + 1)
+            docs = torch.where(doc_ids_BT >= 0, doc_ids_BT, T) + row
+            pos = positions_BT.reshape(1, B * T) if positions_BT is not None else None
+            flat = pixels_NCHW
+            return self.forward(input_ids_BT.reshape(1, B * T), flat, docs.reshape(1, B * T), pos).view(B, T, -1)
+        x = self.embed_tokens(input_ids_BT)
+        if pixels_NCHW is not None and pixels_NCHW.numel():
+            if self.config.vision is None:
+                raise ValueError("this model takes no image input")
+            slots = input_ids_BT == self.image_token_id
+            img = self.multi_modal_projector(self.vision_tower(pixels_NCHW.to(x.dtype)))
+            x = x.masked_scatter(slots.unsqueeze(-1), img.reshape(-1, x.shape[-1]).to(x.dtype))
+        cu = None
+        if doc_ids_BT is not None:
+            starts = torch.nonzero(torch.diff(doc_ids_BT[0], prepend=doc_ids_BT[0, :1] - 1)).flatten()
+            cu = torch.cat([starts, torch.tensor([T], device=starts.device)])
+        res = Residuals(x, self.attn_res, self.config.attn_res_block)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(res.input(2 * i))
+            res.add(layer.self_attn(h, cu) if layer.kind == "kda" else layer.self_attn(h, positions_BT, doc_ids_BT))
+            res.add(layer.mlp(layer.post_attention_layernorm(res.input(2 * i + 1))))
+        return self.lm_head(self.norm(res.input(2 * len(self.layers))))

@@ -1,0 +1,79 @@
+"""The hybrid family: config round trip, parameter counting against the built model (the
+flagship too, on the meta device), and the debug model's forward, packing and training."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig, count_parameters
+from engine.lora import apply_lora
+from engine.model.hybrid import HybridForCausalLM
+from engine.spec import LoraSpec
+from kiln.tokenizer import ByteTokenizer
+
+IMAGE = ByteTokenizer().special("<|image|>")
+
+
+def build(c: ModelConfig, seed: int = 0, dtype=torch.float64) -> HybridForCausalLM:
+    torch.manual_seed(seed)
+    m = HybridForCausalLM(c, image_token_id=IMAGE).to(dtype)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in n else 0.0))
+        for layer in m.layers:
+            if layer.kind == "kda":
+                layer.self_attn.forget_gate.A_log.zero_()
+    return m
+
+
+def test_config_round_trips_and_the_flagship_has_its_shape():
+    for c in (ModelConfig.debug(), ModelConfig.flagship()):
+        assert ModelConfig.from_json(c.to_json()) == c
+    f = ModelConfig.flagship()
+    kinds = f.layer_kinds
+    assert kinds.count("kda") == 69 and kinds.count("dsa") == 24 and kinds[-1] == "dsa" and kinds[3] == "dsa"
+
+
+def test_counting_matches_the_built_models():
+    for c in (ModelConfig.debug(), ModelConfig.flagship()):
+        with torch.device("meta"):  # the flagship's 2.8T parameters cost nothing here
+            m = HybridForCausalLM(c, image_token_id=IMAGE)
+        counted = count_parameters(c)
+        assert counted["total"] == sum(p.numel() for p in m.parameters()), c.layers
+    f = count_parameters(ModelConfig.flagship())
+    assert abs(f["total"] / 2.8e12 - 1) < 0.02  # K3's published 2.8T (counted here: 2.780T)
+    assert abs(f["active"] / 104e9 - 1) < 0.03  # and 104B active (counted here: 105.7B, DSA's indexer included)
+
+
+def test_debug_model_packs_documents_exactly():
+    c = ModelConfig.debug()
+    m = build(c).eval()
+    lens = [7, 12, 5]
+    ids = torch.randint(0, 256, (1, sum(lens)), generator=torch.Generator().manual_seed(0))
+    docs = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    with torch.no_grad():
+        packed = m(ids, doc_ids_BT=docs, positions_BT=pos)
+        at = 0
+        for n in lens:
+            alone = m(ids[:, at:at + n])
+            assert float((packed[:, at:at + n] - alone).norm() / alone.norm()) < 1e-10
+            at += n
+
+
+def test_images_attn_res_switch_and_a_training_step():
+    c = ModelConfig.debug()
+    m = build(c, dtype=torch.float32).train()
+    ids = torch.randint(0, 256, (2, 40))
+    ids[0, 3:3 + m.image_tokens] = IMAGE
+    pixels = torch.randn(1, 3, 32, 32)
+    logits = m(ids, pixels)
+    assert logits.shape == (2, 40, 263) and torch.isfinite(logits).all()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 263), ids[:, 1:].reshape(-1))
+    loss.backward()
+    assert m.attn_res.weight.grad is not None and m.attn_res.weight.grad.abs().sum() > 0
+    assert m.indexer_loss() is not None and float(m.indexer_loss().detach()) >= 0
+    plain = build(ModelConfig(**{**ModelConfig.debug().__dict__, "attn_res": False}), dtype=torch.float32)
+    assert plain.attn_res is None and torch.isfinite(plain(ids, pixels)).all()
+    wrapped = apply_lora(build(c, dtype=torch.float32), LoraSpec(rank=2, target_modules=["q_proj", "o_proj", "q_b_proj"],
+                                                                 target_parameters=["mlp.experts.gate_up_proj"]))
+    assert any("layers.1.self_attn.q_b_proj" in w for w in wrapped) and any(w.endswith("mlp.experts") for w in wrapped)
