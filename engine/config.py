@@ -48,6 +48,8 @@ class MoEConfig:
     first_dense: int = 1  # the first layers use a dense MLP of ``dense_inter``
     dense_inter: int = 0
     routed_scale: float = 1.0
+    groups: int = 1  # DeepSeek's grouped routing: keep the best topk_group groups, then top-k
+    topk_group: int = 1
 
 
 @dataclass
@@ -71,6 +73,7 @@ class ModelConfig:
     vision: VisionConfig | None = None
     rms_eps: float = 1e-5
     max_seq_len: int = 4096
+    rope_theta: float = 10000.0
 
     @property
     def layer_kinds(self) -> list[str]:

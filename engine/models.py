@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.checkpoint.hf import load_kimi_linear, save_kimi_linear
+from engine.checkpoint.hf import load_deepseek_v32, load_kimi_linear, save_kimi_linear
 from engine.config import ModelConfig
 from engine.model.hybrid import HybridForCausalLM
 from engine.model.kimi_linear import ForgetGate, KimiLinearConfig, KimiLinearForCausalLM
@@ -53,7 +53,7 @@ def load_hybrid(folder: Path) -> HybridForCausalLM:
 
 
 LOADERS: dict[str, Callable[[Path], nn.Module]] = {"kiln_tiny": load_pretrained, "kimi_linear": load_kimi_linear,
-                                                   "kiln_hybrid": load_hybrid}
+                                                   "deepseek_v32": load_deepseek_v32, "kiln_hybrid": load_hybrid}
 
 
 def kimi_linear_tiny_config() -> KimiLinearConfig:

@@ -19,9 +19,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.config import DSAConfig, KDAConfig, ModelConfig, MoEConfig
+from engine.model.hybrid import HybridForCausalLM
 from engine.model.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+# Per-expert weights on disk: Kimi's w1 (gate) / w3 (up) / w2 (down), DeepSeek's gate/up/down_proj.
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_ROLE = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _CONV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.([qkv])_conv1d\.weight$")
 _GATE = re.compile(r"^(model\.layers\.\d+\.self_attn)\.(A_log|dt_bias|f_a_proj\.weight|f_b_proj\.weight)$")
 
@@ -93,30 +97,65 @@ def save_kimi_linear(model: KimiLinearForCausalLM, folder: Path) -> None:
     save_file(to_hf(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+class _ExpertStacker:
+    """Per-expert tensors from disk into the grouped [E, 2I, D] (gate rows, then up) and
+    [E, D, I] tensors, each filled in place as its experts arrive."""
+
+    def __init__(self, E: int, I: int, dtype: torch.dtype):
+        self.E, self.I, self.dtype = E, I, dtype
+        self.groups: dict[str, dict] = {}
+
+    def add(self, key: str, t: torch.Tensor) -> bool:
+        m = _EXPERT.match(key)
+        if not m:
+            return False
+        prefix, e, role = m.group(1), int(m.group(2)), _ROLE[m.group(3)]
+        g = self.groups.setdefault(prefix, {"gate_up": None, "down": None, "seen": set()})
+        if role == "down":
+            if g["down"] is None:
+                g["down"] = torch.empty(self.E, *t.shape, dtype=self.dtype)
+            g["down"][e] = t
+        else:
+            if g["gate_up"] is None:
+                g["gate_up"] = torch.empty(self.E, 2 * self.I, t.shape[1], dtype=self.dtype)
+            g["gate_up"][e, slice(0, self.I) if role == "gate" else slice(self.I, 2 * self.I)] = t
+        g["seen"].add((e, role))
+        return True
+
+    def finish(self, model: nn.Module) -> set[str]:
+        done = set()
+        for prefix, g in self.groups.items():
+            missing = {(e, r) for e in range(self.E) for r in ("gate", "up", "down")} - g["seen"]
+            if missing:
+                raise ValueError(f"{prefix}: checkpoint lacks experts {sorted(missing)[:5]}")
+            _put(model, f"{prefix}.gate_up_proj", g["gate_up"])
+            _put(model, f"{prefix}.down_proj", g["down"])
+            done |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
+        return done
+
+
+def _check_complete(model: nn.Module, folder: Path, loaded: set[str], unexpected: list[str]) -> None:
+    if unexpected:
+        raise ValueError(f"{folder}: tensors the model has no place for: {unexpected[:5]}")
+    expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    missing = expected - loaded
+    if missing:
+        raise ValueError(f"{folder}: checkpoint lacks {sorted(missing)[:5]}")
+
+
 def load_kimi_linear(folder: str | Path, dtype: torch.dtype = torch.float32) -> KimiLinearForCausalLM:
     folder = Path(folder)
     config = KimiLinearConfig.from_hf(json.loads((folder / "config.json").read_text()))
     with torch.device("meta"):
         model = KimiLinearForCausalLM(config)
-    E, I = config.num_experts, config.moe_intermediate_size
-    grouped: dict[str, dict] = {}  # experts prefix -> tensors being stacked, and how many arrived
+    experts = _ExpertStacker(config.num_experts, config.moe_intermediate_size, dtype)
     convs: dict[str, dict[str, torch.Tensor]] = {}
     expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     loaded, unexpected = set(), []
     for key, t in read_tensors(folder):
         key = key.replace(".block_sparse_moe.", ".mlp.")
         t = t.to(dtype)
-        if m := _EXPERT.match(key):
-            prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
-            g = grouped.setdefault(prefix, {"gate_up": None, "down": None, "seen": set()})
-            if w == "w2":
-                g["down"] = g["down"] if g["down"] is not None else torch.empty(E, t.shape[0], t.shape[1], dtype=dtype)
-                g["down"][e] = t
-            else:
-                g["gate_up"] = g["gate_up"] if g["gate_up"] is not None else torch.empty(E, 2 * I, t.shape[1], dtype=dtype)
-                rows = slice(0, I) if w == "w1" else slice(I, 2 * I)
-                g["gate_up"][e, rows] = t
-            g["seen"].add((e, w))
+        if experts.add(key, t):
             continue
         if m := _CONV.match(key):
             convs.setdefault(m.group(1), {})[m.group(2)] = t
@@ -128,19 +167,57 @@ def load_kimi_linear(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
             continue
         _put(model, key, t)
         loaded.add(key)
-    for prefix, g in grouped.items():
-        missing = {(e, w) for e in range(E) for w in ("w1", "w2", "w3")} - g["seen"]
-        if missing:
-            raise ValueError(f"{prefix}: checkpoint lacks experts {sorted(missing)[:5]}")
-        _put(model, f"{prefix}.gate_up_proj", g["gate_up"])
-        _put(model, f"{prefix}.down_proj", g["down"])
-        loaded |= {f"{prefix}.gate_up_proj", f"{prefix}.down_proj"}
+    loaded |= experts.finish(model)
     for prefix, parts in convs.items():
         _put(model, f"{prefix}.conv1d.weight", torch.cat([parts["q"], parts["k"], parts["v"]]))
         loaded.add(f"{prefix}.conv1d.weight")
-    if unexpected:
-        raise ValueError(f"{folder}: tensors the model has no place for: {unexpected[:5]}")
-    missing = expected - loaded
-    if missing:
-        raise ValueError(f"{folder}: checkpoint lacks {sorted(missing)[:5]}")
+    _check_complete(model, folder, loaded, unexpected)
+    return model
+
+
+def deepseek_v32_config(d: dict) -> ModelConfig:
+    """A DeepSeek V3.2 config.json as a hybrid config: every layer Gated DSA with the gate off
+    and RoPE on, grouped sigmoid routing, plain residuals, no vision."""
+    rope = d.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {rope['rope_type']!r} is not supported yet (only 'default')")
+    first_dense = d.get("first_k_dense_replace", 0)
+    return ModelConfig(
+        vocab_size=d["vocab_size"], hidden=d["hidden_size"], layers=d["num_hidden_layers"],
+        kda=KDAConfig(heads=1, head_dim=1), attention_every=1,
+        dsa=DSAConfig(heads=d["num_attention_heads"], q_lora_rank=d["q_lora_rank"], kv_lora_rank=d["kv_lora_rank"],
+                      qk_nope=d["qk_nope_head_dim"], qk_rope=d["qk_rope_head_dim"], v_dim=d["v_head_dim"],
+                      index_heads=d["index_n_heads"], index_head_dim=d["index_head_dim"], index_topk=d["index_topk"],
+                      gated=False, rope=True),
+        moe=MoEConfig(experts=d["n_routed_experts"], top_k=d["num_experts_per_tok"], inter=d["moe_intermediate_size"],
+                      shared=d.get("n_shared_experts", 0), first_dense=first_dense, dense_inter=d["intermediate_size"],
+                      routed_scale=d.get("routed_scaling_factor", 1.0), groups=d.get("n_group", 1),
+                      topk_group=d.get("topk_group", 1)),
+        activation="swiglu", attn_res=False, rms_eps=d.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", 10000.0), max_seq_len=d.get("max_position_embeddings", 4096))
+
+
+def load_deepseek_v32(folder: str | Path, dtype: torch.dtype = torch.float32) -> HybridForCausalLM:
+    folder = Path(folder)
+    raw = json.loads((folder / "config.json").read_text())
+    if not raw.get("norm_topk_prob", True):
+        raise ValueError("norm_topk_prob=False is not supported")
+    config = deepseek_v32_config(raw)
+    with torch.device("meta"):
+        model = HybridForCausalLM(config)
+    experts = _ExpertStacker(config.moe.experts, config.moe.inter, dtype)
+    expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    loaded, unexpected = set(), []
+    for key, t in read_tensors(folder):
+        key = key.removeprefix("model.")
+        t = t.to(dtype)
+        if experts.add(key, t):
+            continue
+        if key not in expected:
+            unexpected.append(key)
+            continue
+        _put(model, key, t)
+        loaded.add(key)
+    loaded |= experts.finish(model)
+    _check_complete(model, folder, loaded, unexpected)
     return model

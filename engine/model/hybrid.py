@@ -29,10 +29,11 @@ class HybridLayer(nn.Module):
         else:
             self.self_attn = GatedDSAttention(c.hidden, d.heads, d.q_lora_rank, d.kv_lora_rank, d.qk_nope, d.qk_rope,
                                               d.v_dim, d.index_heads, d.index_head_dim, d.index_topk,
-                                              eps=c.rms_eps, gated=d.gated, rope=d.rope)
+                                              rope_theta=c.rope_theta, eps=c.rms_eps, gated=d.gated, rope=d.rope)
         self.mlp = (MLP(c.hidden, m.dense_inter, c.activation) if i < m.first_dense else
                     MoE(c.hidden, m.experts, m.top_k, m.inter, m.shared * m.inter, latent=m.latent,
-                        act=c.activation, eps=c.rms_eps, scale=m.routed_scale))
+                        act=c.activation, eps=c.rms_eps, scale=m.routed_scale, groups=m.groups,
+                        topk_group=m.topk_group))
         self.input_layernorm = RMSNorm(c.hidden, c.rms_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden, c.rms_eps)
 

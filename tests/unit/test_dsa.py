@@ -111,3 +111,31 @@ def test_indexer_learns_only_from_its_loss():
     sel = torch.ones(1, 5, 5, dtype=torch.bool)
     target = probs.sum(1) / probs.sum(1).sum(-1, keepdim=True)
     assert float(indexer_kl_loss(probs, torch.log(target), sel)) < 1e-12  # zero at the target
+
+
+def test_deepseek_v32_checkpoint_logits_match_transformers(tmp_path):
+    """A small random DeepSeek V3.2 saved by transformers (grouped routing, a dense first layer,
+    shared experts), loaded through our loader into the hybrid model: the same logits."""
+    transformers = pytest.importorskip("transformers")
+    from engine.checkpoint.hf import load_deepseek_v32
+
+    cfg = transformers.DeepseekV32Config(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=6,
+        vocab_size=200, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, pad_token_id=0)
+    torch.manual_seed(0)
+    ref = transformers.DeepseekV32ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" in n else 0.1) + (1.0 if "norm" in n else 0.0))
+        for layer in ref.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.1)
+    ref.save_pretrained(tmp_path, max_shard_size="60KB")
+    ours = load_deepseek_v32(tmp_path).eval()
+    ids = torch.randint(0, 200, (2, 29), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours(ids)
+    assert rel(got, want) < 1e-4, rel(got, want)
