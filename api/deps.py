@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 from api.db import get_sessionmaker
 from api.ratelimit import RateLimiter
 from api.settings import get_settings
-from api.storage import LocalStore
+from kiln.store import LocalStore
 
 
 async def get_session() -> AsyncIterator[Session]:

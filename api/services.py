@@ -16,7 +16,7 @@ from api.errors import ApiError, not_found
 from api.models import TERMINAL_STATES, Checkpoint, File, IdempotencyRecord, Job, JobEvent, now
 from api.schemas import JobCreate, LoraSettings
 from api.settings import Settings
-from api.storage import LocalStore
+from kiln.store import LocalStore
 
 
 # ---- lists -------------------------------------------------------------------------------

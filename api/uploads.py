@@ -9,7 +9,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
-from api.storage import LocalStore, TooLarge, Upload
+from kiln.store import LocalStore, TooLarge, Upload
 
 MAX_FIELD_BYTES = 64 << 10
 

@@ -14,7 +14,7 @@ from api import services
 from api.auth import current_owner
 from api.deps import get_session, get_store
 from api.errors import ApiError
-from api.storage import LocalStore
+from kiln.store import LocalStore
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs")
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")

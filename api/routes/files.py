@@ -17,7 +17,7 @@ from api.errors import ApiError
 from api.models import File
 from api.schemas import file_public, page
 from api.settings import get_settings
-from api.storage import LocalStore, Upload
+from kiln.store import LocalStore, Upload
 from api.uploads import receive
 
 router = APIRouter()

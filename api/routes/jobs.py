@@ -11,7 +11,7 @@ from api.deps import get_session, get_store
 from api.models import Job
 from api.schemas import JobCreate, checkpoint_public, event_public, job_public, page
 from api.settings import get_settings
-from api.storage import LocalStore
+from kiln.store import LocalStore
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs")
 

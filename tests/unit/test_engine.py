@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import engine
-from api.storage import LocalStore
+from kiln.store import LocalStore
 from engine.lora import apply_lora, lora_state
 from engine.spec import JobSpec, LoraSpec
 from engine.tiny_model import TinyConfig, TinyForCausalLM, init_weights, load_pretrained, save_pretrained

@@ -1,4 +1,5 @@
-"""The object store: a local folder (the embedded default).
+"""The object store: a local folder (the embedded default). Standard library only: the API,
+the workers and the engine's command line all use it.
 
 - ``objects/ab/abcd…``: uploaded files, content-addressed by SHA-256, written once, never changed.
 - ``artifacts/<key>``: what jobs produce (checkpoint folders, adapter zips), published atomically.

@@ -1,0 +1,126 @@
+"""Run a fine-tune without the server: ``python -m engine.cli train config.yaml``.
+
+The YAML holds JobSpec's fields (engine/spec.py); ``lora`` is a mapping of LoraSpec's. For example:
+
+    model: kiln-tiny
+    training_file: data/sample/train.jsonl
+    validation_file: data/sample/validation.jsonl
+    images_file: data/sample/images.zip
+    n_epochs: 3
+    lora: {rank: 8, alpha: 16}
+
+Checkpoints, the adapter and the base models live under ``--store`` (default ./kiln-data/store).
+Ctrl-C stops after the current step; ``--resume`` continues from the job's last checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import yaml
+
+import engine
+from engine.spec import JobSpec, LoraSpec
+from kiln.dataset import DatasetError
+from kiln.store import LocalStore
+
+
+class ConsoleReporter:
+    """Messages as lines, metrics as a progress bar (or lines when not on a terminal)."""
+
+    def __init__(self, tty: bool):
+        self.tty, self.stop, self.last_key = tty, None, None
+        self.t0 = time.monotonic()
+
+    def message(self, text, level="info", data=None):
+        self._clear()
+        print(f"[{level}] {text}", flush=True)
+
+    def metrics(self, step, values):
+        total = values.get("total_steps") or step
+        line = (f"step {step}/{total} loss {values['train_loss']:.4f}"
+                + (f" valid {values['valid_loss']:.4f}" if "valid_loss" in values else "")
+                + f" {values.get('tokens_per_second', 0):.0f} tok/s")
+        if self.tty:
+            done = int(30 * step / total)
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}  ")
+            sys.stderr.flush()
+        elif step % 10 == 0 or "valid_loss" in values or step == total:
+            print(line, flush=True)
+
+    def checkpoint(self, step, key, metrics):
+        self.last_key = key
+        self.message(f"checkpoint at step {step}: {key}")
+
+    def resolved(self, hyperparameters):
+        self.message("hyperparameters: " + ", ".join(f"{k}={v}" for k, v in hyperparameters.items()))
+
+    def should_stop(self):
+        return self.stop
+
+    def _clear(self):
+        if self.tty:
+            sys.stderr.write("\r" + " " * 100 + "\r")
+
+
+def load_spec(path: Path, job_id: str | None) -> JobSpec:
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the config must be a mapping of JobSpec fields")
+    known = {f.name for f in fields(JobSpec)} - {"job_id", "resume_from"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    lora = raw.pop("lora", None) or {}
+    lora_known = {f.name for f in fields(LoraSpec)}
+    if set(lora) - lora_known:
+        raise ValueError(f"{path}: unknown lora field(s) {', '.join(sorted(set(lora) - lora_known))}")
+    base = path.parent
+    for key in ("training_file", "validation_file", "images_file"):  # relative to the config file
+        if raw.get(key):
+            raw[key] = str((base / raw[key]).resolve()) if not Path(raw[key]).is_absolute() else raw[key]
+    if "model" not in raw or "training_file" not in raw:
+        raise ValueError(f"{path}: model and training_file are required")
+    return JobSpec(job_id=job_id or f"local-{path.stem}", lora=LoraSpec(**lora), **raw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.cli", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="fine-tune as the config says")
+    t.add_argument("config", type=Path)
+    t.add_argument("--store", type=Path, default=Path("kiln-data/store"))
+    t.add_argument("--job-id")
+    t.add_argument("--resume", action="store_true", help="continue from this job's last checkpoint")
+    args = p.parse_args(argv)
+    try:
+        spec = load_spec(args.config, args.job_id)
+    except (ValueError, TypeError, OSError, yaml.YAMLError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    store = LocalStore(args.store)
+    if args.resume:
+        ckpts = sorted(store.path(f"{spec.artifacts}/checkpoints").glob("step-*"))
+        spec.resume_from = f"{spec.artifacts}/checkpoints/{ckpts[-1].name}" if ckpts else None
+    reporter = ConsoleReporter(sys.stderr.isatty())
+    signal.signal(signal.SIGINT, lambda *_: setattr(reporter, "stop", "cancel"))
+    try:
+        result = engine.train(spec, store, reporter)
+    except DatasetError as e:
+        reporter.message(f"dataset error: {e}", level="error")
+        return 2
+    reporter._clear()
+    if result.status != "succeeded":
+        print(f"stopped after {result.final_metrics.get('step', 0)} steps; resume with --resume", flush=True)
+        return 1
+    print(f"adapter: {store.path(result.adapter_key)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""python -m engine.cli train config.yaml: a fine-tune without the server."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_train_from_a_yaml_config_then_resume(tmp_path):
+    cfg = tmp_path / "job.yaml"
+    sample = ROOT / "data" / "sample"
+    cfg.write_text(f"model: kiln-tiny\ntraining_file: {sample / 'train.jsonl'}\nimages_file: {sample / 'images.zip'}\n"
+                   "max_steps: 12\ncheckpoint_interval: 5\nlora: {rank: 4, alpha: 8}\n")
+    out = run("train", str(cfg), "--store", str(tmp_path / "store"))
+    assert out.returncode == 0, out.stderr
+    assert "step 10/12 loss" in out.stdout and "checkpoint at step 5" in out.stdout
+    adapter = Path(out.stdout.strip().splitlines()[-1].removeprefix("adapter: "))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(zipfile.ZipFile(adapter).namelist())
+    again = run("train", str(cfg), "--store", str(tmp_path / "store"), "--resume")
+    assert again.returncode == 0 and "Resumed from the checkpoint at step 12" in again.stdout
+
+
+def test_bad_configs_are_refused_clearly(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("model: kiln-tiny\ntraining_file: x.jsonl\nn_epoch: 3\n")
+    out = run("train", str(cfg))
+    assert out.returncode == 2 and "unknown field(s) n_epoch" in out.stderr
+    cfg.write_text("model: kiln-tiny\n")
+    assert "model and training_file are required" in run("train", str(cfg)).stderr
+    bad_data = tmp_path / "d.jsonl"
+    bad_data.write_text('{"messages": [{"role": "user", "content": "q"}]}\n')
+    cfg.write_text(f"model: kiln-tiny\ntraining_file: {bad_data}\n")
+    out = run("train", str(cfg), "--store", str(tmp_path / "s"))
+    assert out.returncode == 2 and "line 1: messages: no assistant message to learn from" in out.stdout
