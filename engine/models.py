@@ -127,6 +127,18 @@ def ensure_builtin(name: str, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def save_base(model: nn.Module, folder: Path) -> None:
+    """A trained model in its family's on-disk format, loadable as a base model again."""
+    if isinstance(model, KimiLinearForCausalLM):
+        save_kimi_linear(model, folder)
+    elif isinstance(model, HybridForCausalLM):
+        save_hybrid(model, folder)
+    elif isinstance(model, TinyForCausalLM):
+        save_pretrained(model, folder)
+    else:
+        raise ValueError(f"no on-disk format for {type(model).__name__}")
+
+
 def load_base(folder: Path) -> nn.Module:
     kind = json.loads((folder / "config.json").read_text()).get("model_type")
     if kind not in LOADERS:

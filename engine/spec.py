@@ -43,6 +43,8 @@ class JobSpec:
     # sample set: short text and longer image questions) task-uniform batches slowed convergence
     validation_split: float = 0.0  # held out of the training file when there is no validation file
     seed: int = 0
+    training: Literal["lora", "full"] = "lora"  # full: every parameter (pretraining, the convergence bench)
+    moe_bias_rate: float = 1e-3  # full training: aux-loss-free router balancing step (K3: ~1e-3)
     lora: LoraSpec = field(default_factory=LoraSpec)
     resume_from: str | None = None  # store key of a checkpoint folder
 

@@ -16,14 +16,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from engine.data import IGNORE, Dataset, ImageCache, collate, epoch_batches, split
 from engine.lora import apply_lora, load_adapter, save_adapter
 from engine.spec import JobSpec, Reporter, Store, TrainResult
-from engine.models import ensure_builtin, load_base
+from engine.model.moe import Router
+from engine.models import ensure_builtin, load_base, save_base
 from kiln.tokenizer import chat_template, load_tokenizer
 
-BASE_LR = 2e-3  # LoRA on kiln-tiny; the multiplier scales it
+BASE_LR = {"lora": 2e-3, "full": 1e-3}  # measured on kiln-tiny with the sample data; the multiplier scales it
 DEFAULT_MAX_LEN = 4096  # for models without a position limit (Kimi Linear: KDA + NoPE attention)
 
 
@@ -54,7 +56,7 @@ def resolve(spec: JobSpec, n_examples: int) -> Resolved:
     if spec.max_steps:
         total = min(total, spec.max_steps)
     interval = spec.checkpoint_interval or per_epoch
-    return Resolved(epochs, bs, float(mult), BASE_LR * mult, total, per_epoch, interval,
+    return Resolved(epochs, bs, float(mult), BASE_LR[spec.training] * mult, total, per_epoch, interval,
                     int(total * spec.warmup_ratio))
 
 
@@ -105,7 +107,8 @@ def _accumulate(model, samples, micro: int, pad: int, pack_to: int | None, devic
     for i in range(0, len(samples), size):
         batch = collate(samples[i:i + size], pad, pack_to)
         loss, n, right = batch_loss(model, batch, device)
-        (loss * (n / total)).backward()
+        extra = model.indexer_loss() if hasattr(model, "indexer_loss") and model.training else None
+        ((loss + extra if extra is not None else loss) * (n / total)).backward()  # DSA indexers learn by KL
         loss_sum += float(loss.detach()) * n
         n_sum, right_sum = n_sum + n, right_sum + right
         seen += int((batch["input_ids_BT"] != pad).sum())
@@ -121,7 +124,11 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def _save_checkpoint(store: Store, key: str, model, spec: JobSpec, opt, sched, step: int, tokens: int) -> None:
     with store.publish_dir(key) as folder:
-        save_adapter(model, spec.lora, spec.model, folder)
+        if spec.training == "full":
+            save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
+                      str(folder / "model_state.safetensors"))
+        else:
+            save_adapter(model, spec.lora, spec.model, folder)
         torch.save({"step": step, "tokens": tokens, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "rng": torch.get_rng_state()}, folder / "trainer_state.pt")
 
@@ -173,7 +180,11 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
     hp = resolve(spec, len(train_idx))
 
     torch.manual_seed(spec.seed)
-    apply_lora(model, spec.lora)
+    if spec.training == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        apply_lora(model, spec.lora)
     model.to(device).train()
     total_params = sum(p.numel() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -192,7 +203,10 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
     step, tokens = 0, 0
     if spec.resume_from:
         folder = store.path(spec.resume_from)
-        load_adapter(model, folder)
+        if spec.training == "full":
+            model.load_state_dict(load_file(str(folder / "model_state.safetensors")))
+        else:
+            load_adapter(model, folder)
         state = torch.load(folder / "trainer_state.pt", weights_only=False)
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
@@ -216,6 +230,10 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
         loss, n, right, seen, rows = _accumulate(model, samples, spec.gradient_accumulation_steps, pad, pack_to, device)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
+        if spec.training == "full":  # the base model itself learns: its routers rebalance too
+            for m in model.modules():
+                if isinstance(m, Router):
+                    m.update_bias(spec.moe_bias_rate)
         sched.step()
         opt.zero_grad(set_to_none=True)
         step += 1
@@ -234,6 +252,11 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
             reporter.checkpoint(step, key, {k: v for k, v in metrics.items() if "loss" in k or "accuracy" in k})
 
     _close(train_set, valid_set)
+    if spec.training == "full":
+        key = f"{spec.artifacts}/model"
+        with store.publish_dir(key) as folder:
+            save_base(model, folder)
+        return TrainResult("succeeded", adapter_key=key, trained_tokens=tokens, final_metrics=metrics)
     adapter_key = f"{spec.artifacts}/adapter.zip"
     final = store.path(f"{spec.artifacts}/checkpoints/step-{step:07d}")
     with store.publish_file(adapter_key) as path:
