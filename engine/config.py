@@ -56,6 +56,8 @@ class MoEConfig:
 class VisionConfig:
     image_size: int = 32
     patch_size: int = 8
+    layers: int = 2  # ViT blocks over the patches
+    heads: int = 4
 
 
 @dataclass
@@ -139,7 +141,8 @@ def count_parameters(c: ModelConfig) -> dict[str, int]:
         "moe_other": moe_fixed * n_moe,
         "attn_res": (2 * c.layers + 1) * D if c.attn_res else 0,
         "vision": (3 * c.vision.patch_size ** 2 * D + D + (c.vision.image_size // c.vision.patch_size) ** 2 * D
-                   + D + D * D + D) if c.vision else 0,
+                   + D + D * D + D + c.vision.layers * (2 * D + 3 * D * D + 3 * D + D * D + D + 8 * D * D + 5 * D))
+        if c.vision else 0,
     }
     total = sum(parts.values())
     return {**parts, "total": total, "active": total - one_expert * (m.experts - m.top_k) * n_moe}

@@ -50,7 +50,8 @@ class HybridForCausalLM(nn.Module):
         self.image_token_id = image_token_id
         if c.vision:
             tokens = (c.vision.image_size // c.vision.patch_size) ** 2
-            self.vision_tower = VisionTower(c.vision.patch_size, c.hidden, tokens, c.rms_eps)
+            self.vision_tower = VisionTower(c.vision.patch_size, c.hidden, tokens, c.rms_eps, c.vision.layers,
+                                            c.vision.heads)
             self.multi_modal_projector = nn.Linear(c.hidden, c.hidden)
 
     @property

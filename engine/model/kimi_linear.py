@@ -57,6 +57,17 @@ class KimiLinearConfig:
                  "n_shared_experts": "num_shared_experts", "n_group": "num_expert_group",
                  "norm_topk_prob": "moe_renormalize"}
         d = {alias.get(k, k): v for k, v in d.items()}
+        lin = d.get("linear_attn_config") or {}
+        if "layer_types" not in d and lin:  # the hub's own form: 1-based layer lists
+            n = d["num_hidden_layers"]
+            full = set(lin.get("full_attn_layers", []))
+            d["layer_types"] = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
+            d.setdefault("linear_head_dim", lin.get("head_dim"))
+            d.setdefault("linear_num_heads", lin.get("num_heads"))
+            d.setdefault("linear_conv_kernel_dim", lin.get("short_conv_kernel_size", 4))
+        if "mlp_layer_types" not in d:
+            k = d.get("first_k_dense_replace", 1)
+            d["mlp_layer_types"] = ["dense" if i < k else "sparse" for i in range(d["num_hidden_layers"])]
         if d.get("q_lora_rank") is not None:
             raise ValueError("q_lora_rank is not supported yet (Kimi Linear checkpoints have none)")
         if "full_attention" not in d["layer_types"]:

@@ -118,3 +118,27 @@ def test_to_hf_round_trips_and_transformers_reads_it(saved, tmp_path):
     ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert float((theirs(ids).logits - ref(ids).logits).norm() / ref(ids).logits.norm()) < 1e-6
+
+
+def test_config_in_the_hubs_own_form(saved, tmp_path):
+    """Kimi Linear's published config.json names its layers in linear_attn_config (1-based) and
+    its dense layers by first_k_dense_replace; transformers rewrites both when it saves."""
+    import json
+    import shutil
+
+    from engine.model.kimi_linear import KimiLinearConfig
+
+    ref, folder = saved
+    d = json.loads((folder / "config.json").read_text())
+    hub = {k: v for k, v in d.items() if k not in ("layer_types", "mlp_layer_types", "linear_head_dim",
+                                                   "linear_num_heads", "linear_conv_kernel_dim")}
+    hub["linear_attn_config"] = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                                 "kda_layers": [1, 2, 4], "full_attn_layers": [3]}
+    hub["first_k_dense_replace"] = 1
+    assert KimiLinearConfig.from_hf(hub) == KimiLinearConfig.from_hf(d)
+    for f in folder.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    ids = torch.randint(3, 300, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert float((load_kimi_linear(tmp_path)(ids) - ref(ids).logits).norm() / ref(ids).logits.norm()) < 1e-4
