@@ -130,7 +130,9 @@ def _save_checkpoint(store: Store, key: str, model, spec: JobSpec, opt, sched, s
         else:
             save_adapter(model, spec.lora, spec.model, folder)
         torch.save({"step": step, "tokens": tokens, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "rng": torch.get_rng_state()}, folder / "trainer_state.pt")
+                    "rng": torch.get_rng_state(),  # dropout on a GPU draws from the CUDA generators
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   folder / "trainer_state.pt")
 
 
 def _model_card(spec: JobSpec, hp: Resolved, metrics: dict) -> str:
@@ -211,10 +213,12 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
         step, tokens = state["step"], state["tokens"]
         reporter.message(f"Resumed from the checkpoint at step {step}", data={"step": step})
 
-    pad, metrics = tpl.pad_id, {}
+    pad, metrics, skipped = tpl.pad_id, {}, 0
     order: tuple[int, list[list[int]]] = (-1, [])
     while step < hp.total_steps:
         reason = reporter.should_stop()
@@ -229,7 +233,12 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
         samples = [train_set[i] for i in order[1][index]]
         loss, n, right, seen, rows = _accumulate(model, samples, spec.gradient_accumulation_steps, pad, pack_to, device)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
+        if torch.isfinite(grad_norm):
+            opt.step()
+        else:  # seen on the H200 in bf16: a finite loss, an overflowed backward; one bad step must not poison the weights
+            skipped += 1
+            reporter.message(f"Step {step + 1}: the gradient is not finite; the update was skipped "
+                             f"({skipped} so far)", level="warn", data={"step": step + 1, "skipped_steps": skipped})
         if spec.training == "full":  # the base model itself learns: its routers rebalance too
             for m in model.modules():
                 if isinstance(m, Router):
@@ -241,7 +250,8 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
         metrics = {"step": step, "total_steps": hp.total_steps, "epoch": epoch + 1, "train_loss": float(loss),
                    "train_mean_token_accuracy": right / max(n, 1), "learning_rate": sched.get_last_lr()[0],
                    "grad_norm": float(grad_norm), "tokens_per_second": seen / (time.perf_counter() - t0),
-                   "trained_tokens": tokens, "rows": rows, "peak_memory_mb": peak_memory_mb(device)}
+                   "trained_tokens": tokens, "rows": rows, "skipped_steps": skipped,
+                   "peak_memory_mb": peak_memory_mb(device)}
         is_ckpt = step % hp.checkpoint_interval == 0 or step == hp.total_steps
         if is_ckpt and valid_idx:
             metrics.update(evaluate(model, valid_set, valid_idx, hp.batch_size, pad, pack_to, device))

@@ -137,3 +137,27 @@ def test_gradient_accumulation_makes_the_same_update(tmp_path):
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
     assert abs(la[1] - lb[1]) < 1e-5 and abs(la[2] - lb[2]) < 1e-4
+
+
+def test_a_step_with_a_non_finite_gradient_is_skipped_not_applied(tmp_path, monkeypatch):
+    """bf16 on the H200 once gave a finite loss and a NaN gradient; the update must not land."""
+    import engine.trainer as tr
+
+    real = tr.batch_loss
+    calls = {"n": 0}
+
+    def poisoned(model, batch, device):
+        loss, n, right = real(model, batch, device)
+        calls["n"] += 1
+        return (loss * float("nan") if calls["n"] == 3 else loss), n, right
+
+    monkeypatch.setattr(tr, "batch_loss", poisoned)
+    rec = Recorder()
+    rec.metrics = lambda step, values: rec.losses.__setitem__(step, values)
+    store = LocalStore(tmp_path)
+    result = engine.train(spec(max_steps=6, checkpoint_interval=6, lora=LoraSpec(rank=4, alpha=8, dropout=0.0)), store, rec)
+    assert result.status == "succeeded"
+    assert rec.losses[6]["skipped_steps"] == 1 and rec.losses[2]["skipped_steps"] == 0
+    assert any("step 3: the gradient is not finite" in m.lower() for m in rec.messages)
+    adapter = load_file(str(store.path(rec.checkpoints[-1][1]) / "adapter_model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in adapter.values())
