@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from engine.data import IGNORE, Dataset, ImageCache, collate, epoch_batches, split
 from engine.lora import apply_lora, load_adapter, save_adapter
 from engine.spec import JobSpec, Reporter, Store, TrainResult
+from engine.config import ModelConfig, count_parameters
 from engine.model.moe import Router
 from engine.models import ensure_builtin, load_base, save_base
 from kiln.tokenizer import chat_template, load_tokenizer
@@ -192,6 +193,10 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_train = sum(p.numel() for p in trainable)
     tokens_per_epoch = sum(train_set.lengths[i] for i in train_idx)
+    if isinstance(cfg, ModelConfig):  # the hybrid family counts from its config: active parameters too
+        counts = count_parameters(cfg)
+        reporter.message(f"{spec.model}: {counts['total']:,} parameters, {counts['active']:,} active per token",
+                         data=counts)
     reporter.message(f"Model {spec.model}: {total_params:,} parameters, LoRA trains {n_train:,} "
                      f"({100 * n_train / total_params:.2f}%); {len(train_idx)} training examples "
                      f"({tokens_per_epoch:,} tokens), {len(valid_idx)} validation examples, {hp.total_steps} steps "
