@@ -16,33 +16,12 @@ import time
 from pathlib import Path
 
 import engine
+from engine.reporting import RecordingReporter
 from engine.spec import JobSpec
 from kiln.store import LocalStore
 from kiln.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class Recorder:
-    def __init__(self):
-        self.loss, self.valid = {}, {}
-
-    def message(self, *a, **k):
-        pass
-
-    def metrics(self, step, v):
-        self.loss[step] = v["train_loss"]
-        if "valid_loss" in v:
-            self.valid[step] = v["valid_loss"]
-
-    def checkpoint(self, *a):
-        pass
-
-    def resolved(self, hp):
-        pass
-
-    def should_stop(self):
-        return None
 
 
 def main() -> int:
@@ -51,7 +30,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "convergence.json")
     args = p.parse_args()
     sample = ROOT / "data" / "sample"
-    rec = Recorder()
+    rec = RecordingReporter()
     spec = JobSpec(job_id="bench-converge", model="kiln-tiny", training_file=str(sample / "train.jsonl"),
                    validation_file=str(sample / "validation.jsonl"), images_file=str(sample / "images.zip"),
                    training="full", n_epochs=100, batch_size=8, max_steps=args.steps, checkpoint_interval=100, seed=0)
@@ -61,10 +40,11 @@ def main() -> int:
     seconds = time.perf_counter() - t0
     ln_v = math.log(ByteTokenizer.vocab_size)
     rows = []
-    for s in sorted({1, 50, 100, 200, 300, args.steps} & set(rec.loss)):
-        window = [rec.loss[i] for i in range(max(1, s - 9), s + 1)]
+    loss = rec.losses
+    for s in sorted({1, 50, 100, 200, 300, args.steps} & set(loss)):
+        window = [loss[i] for i in range(max(1, s - 9), s + 1)]
         rows.append({"step": s, "train_loss_avg10": sum(window) / len(window),
-                     "ratio_to_ln_vocab": sum(window) / len(window) / ln_v, "valid_loss": rec.valid.get(s)})
+                     "ratio_to_ln_vocab": sum(window) / len(window) / ln_v, "valid_loss": rec.steps[s].get("valid_loss")})
     print(f"kiln-tiny, full training from random init, {args.steps} steps, ln(vocab) = {ln_v:.3f} (baseline)")
     print(f"{'step':>5} {'loss (10-step mean)':>20} {'/ ln(vocab)':>12} {'valid loss':>11}")
     for r in rows:

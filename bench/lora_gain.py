@@ -24,6 +24,7 @@ from engine.generate import answer
 from engine.trainer import evaluate
 from engine.lora import apply_lora, load_adapter
 from engine.models import load_base
+from engine.reporting import RecordingReporter
 from engine.spec import JobSpec, LoraSpec
 from kiln.dataset import DatasetSource, iter_lines, parse_line
 from kiln.store import LocalStore
@@ -31,28 +32,6 @@ from kiln.tokenizer import chat_template, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "data" / "sample"
-
-
-class Recorder:
-    """Keeps every step's metrics."""
-
-    def __init__(self):
-        self.seen = {}
-
-    def message(self, *a, **k):
-        pass
-
-    def metrics(self, step, v):
-        self.seen[step] = v
-
-    def checkpoint(self, *a):
-        pass
-
-    def resolved(self, hp):
-        pass
-
-    def should_stop(self):
-        return None
 
 
 def split(src: Path, dst: Path, images: bool) -> Path:
@@ -91,20 +70,20 @@ def run(work: Path, pretrain_steps: int, lora_steps: int) -> dict:
     img_valid = split(SAMPLE / "validation.jsonl", work / "img_valid.jsonl", images=True)
     img_test = split(SAMPLE / "test.jsonl", work / "img_test.jsonl", images=True)
 
-    pre = Recorder()
+    pre = RecordingReporter()
     result = engine.train(JobSpec(job_id="pretrain", model="kiln-tiny", training_file=str(text), training="full",
                                   n_epochs=1000, batch_size=8, max_steps=pretrain_steps,
                                   checkpoint_interval=pretrain_steps, seed=0), store, pre)
     base_dir = store.model_dir("bench-base")
     base_dir.parent.mkdir(parents=True, exist_ok=True)
     store.path(result.adapter_key).rename(base_dir)
-    lora = Recorder()
+    lora = RecordingReporter()
     spec = JobSpec(job_id="lora", model="bench-base", training_file=str(img_train), validation_file=str(img_valid),
                    images_file=str(SAMPLE / "images.zip"), n_epochs=1000, batch_size=8, max_steps=lora_steps,
                    checkpoint_interval=lora_steps // 5, learning_rate_multiplier=2.0, seed=0,
                    lora=LoraSpec(rank=16, alpha=32))
     done = engine.train(spec, store, lora)
-    valid = {s: v["valid_loss"] for s, v in lora.seen.items() if "valid_loss" in v}
+    valid = {s: v["valid_loss"] for s, v in lora.steps.items() if "valid_loss" in v}
     base_model = load_base(base_dir).eval()
     base_em = exact_match(base_model, base_dir, img_test)
     tuned = load_base(base_dir)
@@ -112,7 +91,7 @@ def run(work: Path, pretrain_steps: int, lora_steps: int) -> dict:
     load_adapter(tuned, store.path(f"{spec.artifacts}/checkpoints/step-{lora_steps:07d}"))
     tuned_em = exact_match(tuned.eval(), base_dir, img_test)
     base_valid = validation_loss(base_model, base_dir, img_valid, work)
-    return {"pretrain_final_loss": pre.seen[pretrain_steps]["train_loss"], "base_valid_loss": base_valid,
+    return {"pretrain_final_loss": pre.steps[pretrain_steps]["train_loss"], "base_valid_loss": base_valid,
             "valid_loss_by_step": valid, "valid_loss_reduction": 1 - valid[lora_steps] / base_valid,
             "base_exact_match": base_em, "lora_exact_match": tuned_em, "adapter": done.adapter_key}
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from engine.model.layers import RMSNorm
 from kiln.tokenizer import ByteTokenizer
 
 
@@ -38,17 +39,6 @@ class TinyConfig:
     @property
     def image_tokens(self) -> int:
         return (self.image_size // self.patch_size) ** 2
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def rope(x_BHTK: torch.Tensor, theta: float, positions_BT: torch.Tensor | None) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import engine
+from engine.reporting import RecordingReporter
 from engine.spec import JobSpec, LoraSpec
 from kiln.store import LocalStore
 
@@ -16,34 +17,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 
 
-class Losses:
-    def __init__(self):
-        self.loss, self.memory = {}, 0.0
-
-    def message(self, *a, **k):
-        pass
-
-    def metrics(self, step, v):
-        self.loss[step] = v["train_loss"]
-        self.memory = v["peak_memory_mb"]
-
-    def checkpoint(self, *a):
-        pass
-
-    def resolved(self, hp):
-        pass
-
-    def should_stop(self):
-        return None
-
-
-def run(model: str, store: LocalStore, images: bool, experts: bool) -> Losses:
+def run(model: str, store: LocalStore, images: bool, experts: bool) -> RecordingReporter:
     text = SAMPLE / "train.jsonl"
     if not images:
         lines = [l for l in text.read_text().splitlines() if '"images"' not in l]
         text = store.root / "text.jsonl"
         text.write_text("\n".join(lines) + "\n")
-    rec = Losses()
+    rec = RecordingReporter()
     lora = LoraSpec(rank=8, target_modules=["q_proj", "o_proj", "down_proj"],
                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else [])
     engine.train(JobSpec(job_id=f"gpu-{model}", model=model, training_file=str(text),
@@ -56,13 +36,14 @@ def run(model: str, store: LocalStore, images: bool, experts: bool) -> Losses:
                                                   ("kiln-hybrid-tiny", True, True)])
 def test_trains_on_cuda_like_on_cpu(model, images, experts, tmp_path):
     gpu = run(model, LocalStore(tmp_path / "gpu"), images, experts)
-    assert all(math.isfinite(v) for v in gpu.loss.values())
-    assert sum(gpu.loss[s] for s in range(26, 31)) / 5 < gpu.loss[1]  # it learns
-    assert gpu.memory > 0  # measured with torch.cuda.max_memory_allocated
+    assert all(math.isfinite(v) for v in gpu.losses.values())
+    assert sum(gpu.losses[s] for s in range(26, 31)) / 5 < gpu.losses[1]  # it learns
+    assert gpu.steps[30]["peak_memory_mb"] > 0  # measured with torch.cuda.max_memory_allocated
     visible = torch.cuda.is_available
     torch.cuda.is_available = lambda: False  # the same job, fp32 on the CPU
     try:
         cpu = run(model, LocalStore(tmp_path / "cpu"), images, experts)
     finally:
         torch.cuda.is_available = visible
-    assert abs(gpu.loss[1] - cpu.loss[1]) / cpu.loss[1] < 1e-2, (gpu.loss[1], cpu.loss[1])  # bf16 vs fp32
+    g, c = gpu.losses[1], cpu.losses[1]
+    assert abs(g - c) / c < 1e-2, (g, c)  # bf16 vs fp32

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import engine
 from engine.models import load_base
+from engine.reporting import RecordingReporter
 from engine.spec import JobSpec
 from kiln.store import LocalStore
 from kiln.tokenizer import ByteTokenizer
@@ -14,36 +15,16 @@ from kiln.tokenizer import ByteTokenizer
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 
 
-class Losses:
-    def __init__(self):
-        self.train, self.messages = {}, []
-
-    def message(self, text, level="info", data=None):
-        self.messages.append(text)
-
-    def metrics(self, step, values):
-        self.train[step] = values["train_loss"]
-
-    def checkpoint(self, *a):
-        pass
-
-    def resolved(self, hp):
-        pass
-
-    def should_stop(self):
-        return None
-
-
 def test_from_random_init_loss_falls_under_15_percent_of_ln_vocab(tmp_path):
     store = LocalStore(tmp_path)
-    rec = Losses()
+    rec = RecordingReporter()
     spec = JobSpec(job_id="converge", model="kiln-tiny", training_file=str(SAMPLE / "train.jsonl"),
                    images_file=str(SAMPLE / "images.zip"), training="full", n_epochs=14, batch_size=8,
                    max_steps=400, checkpoint_interval=400, seed=0)
     result = engine.train(spec, store, rec)
     ln_v = math.log(ByteTokenizer.vocab_size)
-    first = rec.train[1]
-    last = sum(rec.train[s] for s in range(391, 401)) / 10
+    first = rec.losses[1]
+    last = sum(rec.losses[s] for s in range(391, 401)) / 10
     assert abs(first - ln_v) / ln_v < 0.15, first  # random init: about uniform over the vocabulary
     assert last < 0.15 * ln_v, (first, last)
     model = load_base(store.path(result.adapter_key))  # the trained model loads as a base again

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 import engine
 from kiln.store import LocalStore
 from engine.lora import apply_lora, lora_state
+from engine.reporting import RecordingReporter
 from engine.spec import JobSpec, LoraSpec
 from engine.tiny_model import TinyConfig, TinyForCausalLM, init_weights, load_pretrained, save_pretrained
 from kiln.dataset import DatasetError
@@ -19,24 +20,8 @@ from kiln.dataset import DatasetError
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 
 
-class Recorder:
-    def __init__(self, stop_after: int | None = None):
-        self.losses, self.messages, self.checkpoints, self.stop_after = {}, [], [], stop_after
-
-    def message(self, text, level="info", data=None):
-        self.messages.append(text)
-
-    def metrics(self, step, values):
-        self.losses[step] = values["train_loss"]
-
-    def checkpoint(self, step, key, metrics):
-        self.checkpoints.append((step, key))
-
-    def resolved(self, hp):
-        self.hp = hp
-
-    def should_stop(self):
-        return "cancel" if self.stop_after is not None and len(self.losses) >= self.stop_after else None
+def Recorder(stop_after: int | None = None) -> RecordingReporter:
+    return RecordingReporter(stop_after)
 
 
 def spec(**kw) -> JobSpec:
@@ -106,7 +91,7 @@ def test_final_adapter_zip_and_example_too_long(tmp_path):
     result = engine.train(spec(max_steps=3), store, rec)
     zf = zipfile.ZipFile(store.path(result.adapter_key))
     assert sorted(zf.namelist()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
-    assert rec.hp["total_steps"] == 3 and [s for s, _ in rec.checkpoints] == [3]
+    assert rec.hyperparameters["total_steps"] == 3 and [s for s, _ in rec.checkpoints] == [3]
     ckpt = load_file(str(store.path(rec.checkpoints[0][1]) / "adapter_model.safetensors"))
     assert all(k.startswith("base_model.model.model.layers.") for k in ckpt)
     with pytest.raises(DatasetError, match=r"line \d+: messages: example is \d+ tokens, over max_seq_len 40"):
@@ -115,12 +100,11 @@ def test_final_adapter_zip_and_example_too_long(tmp_path):
 
 def test_validation_split_holds_out_examples_and_reports_their_loss(tmp_path):
     rec = Recorder()
-    rec.metrics = lambda step, values: rec.losses.__setitem__(step, values)
     result = engine.train(spec(validation_file=None, validation_split=0.25, max_steps=10, checkpoint_interval=5),
                           LocalStore(tmp_path), rec)
     assert result.status == "succeeded"
     assert any("180 training examples" in m and "60 validation examples" in m for m in rec.messages)
-    assert "valid_loss" in rec.losses[5] and "valid_loss" in rec.losses[10] and "valid_loss" not in rec.losses[4]
+    assert "valid_loss" in rec.steps[5] and "valid_loss" in rec.steps[10] and "valid_loss" not in rec.steps[4]
 
 
 def test_gradient_accumulation_makes_the_same_update(tmp_path):
@@ -153,11 +137,10 @@ def test_a_step_with_a_non_finite_gradient_is_skipped_not_applied(tmp_path, monk
 
     monkeypatch.setattr(tr, "batch_loss", poisoned)
     rec = Recorder()
-    rec.metrics = lambda step, values: rec.losses.__setitem__(step, values)
     store = LocalStore(tmp_path)
     result = engine.train(spec(max_steps=6, checkpoint_interval=6, lora=LoraSpec(rank=4, alpha=8, dropout=0.0)), store, rec)
     assert result.status == "succeeded"
-    assert rec.losses[6]["skipped_steps"] == 1 and rec.losses[2]["skipped_steps"] == 0
+    assert rec.steps[6]["skipped_steps"] == 1 and rec.steps[2]["skipped_steps"] == 0
     assert any("step 3: the gradient is not finite" in m.lower() for m in rec.messages)
     adapter = load_file(str(store.path(rec.checkpoints[-1][1]) / "adapter_model.safetensors"))
     assert all(torch.isfinite(t).all() for t in adapter.values())
