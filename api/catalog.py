@@ -19,8 +19,9 @@ KIMI_LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "b_proj", "g_a_pr
                        "f_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj")
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
-# image_tokens None: a text-only model. Throughputs with the reference kernels on the 2-core
-# development VM: kimi-linear-tiny ~1,000 tokens/s, kiln-hybrid-tiny ~500 (estimates' basis).
+# image_tokens None: a text-only model. tokens_per_second only feeds the report's time estimate:
+# kiln-tiny's was measured (above); the two others are rough guesses for the reference kernels on
+# the 2-core VM, not measurements.
 BASE_MODELS: dict[str, dict] = {
     "kiln-tiny": {"created": 1764633600, "targets": LLAMA_STYLE_TARGETS, "default_targets": LLAMA_STYLE_TARGETS,
                   "parameters": (), "max_seq_len": 2048, "image_tokens": 16, "tokens_per_second": 4000},
