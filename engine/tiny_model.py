@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.model.layers import RMSNorm
+from engine.model.layers import RMSNorm, causal_mask
 from kiln.tokenizer import ByteTokenizer
 
 
@@ -162,9 +162,7 @@ class TinyForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids_BT)
         mask = None
         if doc_ids_BT is not None:
-            T = input_ids_BT.shape[1]
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            mask = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & causal
+            mask = causal_mask(input_ids_BT.shape[1], x.device, doc_ids_BT)
         slots = input_ids_BT == self.config.image_token_id
         n_slots = int(slots.sum())
         if n_slots:

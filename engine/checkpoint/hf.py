@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -134,9 +134,29 @@ class _ExpertStacker:
         return done
 
 
-def _check_complete(model: nn.Module, folder: Path, loaded: set[str], unexpected: list[str]) -> None:
+def _stream_into(model: nn.Module, folder: Path, dtype: torch.dtype, experts: _ExpertStacker,
+                 rename: Callable[[str, torch.Tensor], str | None]) -> set[str]:
+    """Every checkpoint tensor into its place: ``rename`` maps a disk name to a module name (None
+    when it took the tensor itself), then per-expert tensors are stacked and the rest put in
+    place. Returns what was loaded; raises on tensors without a place."""
+    expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    loaded, unexpected = set(), []
+    for key, t in read_tensors(folder):
+        t = t.to(dtype)
+        key = rename(key, t)
+        if key is None or experts.add(key, t):
+            continue
+        if key not in expected:
+            unexpected.append(key)
+            continue
+        _put(model, key, t)
+        loaded.add(key)
     if unexpected:
         raise ValueError(f"{folder}: tensors the model has no place for: {unexpected[:5]}")
+    return loaded | experts.finish(model)
+
+
+def _check_complete(model: nn.Module, folder: Path, loaded: set[str]) -> None:
     expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     missing = expected - loaded
     if missing:
@@ -150,28 +170,21 @@ def load_kimi_linear(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
         model = KimiLinearForCausalLM(config)
     experts = _ExpertStacker(config.num_experts, config.moe_intermediate_size, dtype)
     convs: dict[str, dict[str, torch.Tensor]] = {}
-    expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    loaded, unexpected = set(), []
-    for key, t in read_tensors(folder):
+
+    def rename(key: str, t: torch.Tensor) -> str | None:
         key = key.replace(".block_sparse_moe.", ".mlp.")
-        t = t.to(dtype)
-        if experts.add(key, t):
-            continue
         if m := _CONV.match(key):
             convs.setdefault(m.group(1), {})[m.group(2)] = t
-            continue
+            return None
         if m := _GATE.match(key):
-            key = f"{m.group(1)}.forget_gate.{m.group(2)}"
-        if key not in expected:
-            unexpected.append(key)
-            continue
-        _put(model, key, t)
-        loaded.add(key)
-    loaded |= experts.finish(model)
+            return f"{m.group(1)}.forget_gate.{m.group(2)}"
+        return key
+
+    loaded = _stream_into(model, folder, dtype, experts, rename)
     for prefix, parts in convs.items():
         _put(model, f"{prefix}.conv1d.weight", torch.cat([parts["q"], parts["k"], parts["v"]]))
         loaded.add(f"{prefix}.conv1d.weight")
-    _check_complete(model, folder, loaded, unexpected)
+    _check_complete(model, folder, loaded)
     return model
 
 
@@ -206,18 +219,6 @@ def load_deepseek_v32(folder: str | Path, dtype: torch.dtype = torch.float32) ->
     with torch.device("meta"):
         model = HybridForCausalLM(config)
     experts = _ExpertStacker(config.moe.experts, config.moe.inter, dtype)
-    expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    loaded, unexpected = set(), []
-    for key, t in read_tensors(folder):
-        key = key.removeprefix("model.")
-        t = t.to(dtype)
-        if experts.add(key, t):
-            continue
-        if key not in expected:
-            unexpected.append(key)
-            continue
-        _put(model, key, t)
-        loaded.add(key)
-    loaded |= experts.finish(model)
-    _check_complete(model, folder, loaded, unexpected)
+    _check_complete(model, folder, _stream_into(model, folder, dtype, experts,
+                                                     lambda key, t: key.removeprefix("model.")))
     return model

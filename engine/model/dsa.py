@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import RMSNorm
+from engine.model.layers import RMSNorm, causal_mask
 from kernels.dsa import indexer_kl_loss, indexer_scores, select_topk, sparse_attention
 
 
@@ -81,9 +81,7 @@ class GatedDSAttention(nn.Module):
                 doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         pos = positions_BT if positions_BT is not None else torch.arange(T, device=x_BTD.device).expand(B, T)
-        allowed = torch.ones(T, T, dtype=torch.bool, device=x_BTD.device).tril().expand(B, T, T)
-        if doc_ids_BT is not None:
-            allowed = allowed & (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :])
+        allowed = causal_mask(T, x_BTD.device, doc_ids_BT).expand(B, T, T)
         q_resid = self.q_a_layernorm(self.q_a_proj(x_BTD))
         q = self.q_b_proj(q_resid).view(B, T, self.H, -1).transpose(1, 2)
         q_nope, q_rot = q.split([self.nope, self.rope], -1)

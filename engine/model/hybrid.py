@@ -13,7 +13,7 @@ from engine.config import ModelConfig
 from engine.model.attnres import AttnResQueries, Residuals
 from engine.model.dsa import GatedDSAttention
 from engine.model.kimi_linear import KimiDeltaAttention
-from engine.model.layers import RMSNorm
+from engine.model.layers import RMSNorm, cu_seqlens, rows_end_to_end
 from engine.model.moe import MLP, MoE
 from engine.tiny_model import VisionTower
 
@@ -73,11 +73,8 @@ class HybridForCausalLM(nn.Module):
                 doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
         B, T = input_ids_BT.shape
         if doc_ids_BT is not None and B > 1:  # rows end to end: one KDA state per document
-            row = torch.arange(B, device=doc_ids_BT.device)[:, None] * (T + 1)
-            docs = torch.where(doc_ids_BT >= 0, doc_ids_BT, T) + row
             pos = positions_BT.reshape(1, B * T) if positions_BT is not None else None
-            flat = pixels_NCHW
-            return self.forward(input_ids_BT.reshape(1, B * T), flat, docs.reshape(1, B * T), pos).view(B, T, -1)
+            return self.forward(input_ids_BT.reshape(1, B * T), pixels_NCHW, rows_end_to_end(doc_ids_BT), pos).view(B, T, -1)
         x = self.embed_tokens(input_ids_BT)
         if pixels_NCHW is not None and pixels_NCHW.numel():
             if self.config.vision is None:
@@ -85,10 +82,7 @@ class HybridForCausalLM(nn.Module):
             slots = input_ids_BT == self.image_token_id
             img = self.multi_modal_projector(self.vision_tower(pixels_NCHW.to(x.dtype)))
             x = x.masked_scatter(slots.unsqueeze(-1), img.reshape(-1, x.shape[-1]).to(x.dtype))
-        cu = None
-        if doc_ids_BT is not None:
-            starts = torch.nonzero(torch.diff(doc_ids_BT[0], prepend=doc_ids_BT[0, :1] - 1)).flatten()
-            cu = torch.cat([starts, torch.tensor([T], device=starts.device)])
+        cu = cu_seqlens(doc_ids_BT) if doc_ids_BT is not None else None
         res = Residuals(x, self.attn_res, self.config.attn_res_block)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(res.input(2 * i))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import GatedRMSNorm, RMSNorm, f32
+from engine.model.layers import GatedRMSNorm, RMSNorm, causal_mask, cu_seqlens, f32, rows_end_to_end
 from engine.model.moe import MLP, MoE
 from kernels.kda import kda_chunk, kda_gate
 
@@ -215,15 +215,11 @@ class KimiLinearForCausalLM(nn.Module):
             raise ValueError("Kimi Linear takes no image input")
         B, T = input_ids_BT.shape
         if doc_ids_BT is not None and B > 1:
-            row = torch.arange(B, device=doc_ids_BT.device)[:, None] * (T + 1)
-            docs = torch.where(doc_ids_BT >= 0, doc_ids_BT, T) + row  # each row's padding its own document
-            return self.forward(input_ids_BT.reshape(1, B * T), None, docs.reshape(1, B * T)).view(B, T, -1)
+            return self.forward(input_ids_BT.reshape(1, B * T), None, rows_end_to_end(doc_ids_BT)).view(B, T, -1)
         x = self.model.embed_tokens(input_ids_BT)
         mask = cu = None
         if doc_ids_BT is not None:
-            mask = (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            starts = torch.nonzero(torch.diff(doc_ids_BT[0], prepend=doc_ids_BT[0, :1] - 1)).flatten()
-            cu = torch.cat([starts, torch.tensor([T], device=starts.device)])
+            mask, cu = causal_mask(T, x.device, doc_ids_BT), cu_seqlens(doc_ids_BT)
         for layer in self.model.layers:
             x = layer(x, mask, cu)
         return self.lm_head(self.model.norm(x))

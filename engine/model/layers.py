@@ -26,3 +26,27 @@ class GatedRMSNorm(RMSNorm):
         x32 = f32(x)
         y = f32(self.weight) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * torch.sigmoid(f32(gate))).to(x.dtype)
+
+
+def causal_mask(T: int, device: torch.device, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each query sees: earlier tokens, and with ``doc_ids_BT`` (packed rows) only
+    those of its own document. [1 or B, T, T] bool."""
+    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]
+    if doc_ids_BT is not None:
+        mask = mask & (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :])
+    return mask
+
+
+def rows_end_to_end(doc_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Packed rows laid end to end as one sequence [1, B*T], document ids made distinct across
+    rows and each row's padding (-1) its own document: for layers with state across tokens."""
+    B, T = doc_ids_BT.shape
+    row = torch.arange(B, device=doc_ids_BT.device)[:, None] * (T + 1)
+    return (torch.where(doc_ids_BT >= 0, doc_ids_BT, T) + row).reshape(1, B * T)
+
+
+def cu_seqlens(doc_ids_1T: torch.Tensor) -> torch.Tensor:
+    """Where each document starts in one packed row, and its end: [N + 1]."""
+    d = doc_ids_1T[0]
+    starts = torch.nonzero(torch.diff(d, prepend=d[:1] - 1)).flatten()
+    return torch.cat([starts, torch.tensor([len(d)], device=d.device)])
