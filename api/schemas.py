@@ -10,6 +10,17 @@ from api.models import Checkpoint, File, Job, JobEvent
 PosInt = Annotated[int, Field(strict=True, ge=1)]
 
 
+class MemorySettings(BaseModel):
+    """Swap Core: what the backward recomputes and where kept activations live (the engine's
+    MemorySpec; README's "Memory" section)."""
+    model_config = ConfigDict(extra="forbid")
+    recompute: Literal["none", "full", "selective"] = "none"
+    cache_ops: list[Literal["mm", "bmm", "grouped_mm", "attention"]] = Field(["mm", "grouped_mm"], max_length=4)
+    tier: Literal["device", "host", "auto"] = "device"
+    quantize: Literal["none", "fp8", "int8"] = "none"
+    device_budget_mb: Annotated[float, Field(ge=0)] | None = Field(None, description="tier auto: device memory the cache may hold")
+
+
 class Hyperparameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
     n_epochs: Literal["auto"] | Annotated[int, Field(strict=True, ge=1, le=50)] = "auto"
@@ -25,6 +36,7 @@ class Hyperparameters(BaseModel):
     group_by_length: Annotated[bool, Field(strict=True)] | None = None
     validation_split: Annotated[float, Field(ge=0, le=0.5)] | None = Field(
         None, description="fraction of the training file held out for validation when no validation_file is given")
+    memory: MemorySettings | None = Field(None, description="activation recompute and caching (Swap Core)")
 
 
 class LoraSettings(BaseModel):

@@ -1,6 +1,7 @@
 """Run a fine-tune without the server: ``python -m engine.cli train config.yaml``.
 
-The YAML holds JobSpec's fields (engine/spec.py); ``lora`` is a mapping of LoraSpec's. For example:
+The YAML holds JobSpec's fields (engine/spec.py); ``lora`` and ``memory`` are
+mappings of LoraSpec's and MemorySpec's. For example:
 
     model: kiln-tiny
     training_file: data/sample/train.jsonl
@@ -8,6 +9,7 @@ The YAML holds JobSpec's fields (engine/spec.py); ``lora`` is a mapping of LoraS
     images_file: data/sample/images.zip
     n_epochs: 3
     lora: {rank: 8, alpha: 16}
+    memory: {recompute: selective, tier: host}   # Swap Core; see engine/memory/swap_core.py
 
 Checkpoints, the adapter and the base models live under ``--store`` (default ./kiln-data/store).
 Ctrl-C stops after the current step; ``--resume`` continues from the job's last checkpoint.
@@ -24,7 +26,8 @@ from pathlib import Path
 import yaml
 
 import engine
-from engine.spec import JobSpec, LoraSpec
+from engine.memory import check_spec
+from engine.spec import JobSpec, LoraSpec, MemorySpec
 from kiln.dataset import DatasetError
 from kiln.store import LocalStore
 
@@ -75,17 +78,21 @@ def load_spec(path: Path, job_id: str | None) -> JobSpec:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    lora = raw.pop("lora", None) or {}
-    lora_known = {f.name for f in fields(LoraSpec)}
-    if set(lora) - lora_known:
-        raise ValueError(f"{path}: unknown lora field(s) {', '.join(sorted(set(lora) - lora_known))}")
+    parts = {}
+    for name, cls in (("lora", LoraSpec), ("memory", MemorySpec)):
+        part = raw.pop(name, None) or {}
+        unknown = sorted(set(part) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"{path}: unknown {name} field(s) {', '.join(unknown)}")
+        parts[name] = cls(**part)
+    check_spec(parts["memory"])
     base = path.parent
     for key in ("training_file", "validation_file", "images_file"):  # relative to the config file
         if raw.get(key):
             raw[key] = str((base / raw[key]).resolve()) if not Path(raw[key]).is_absolute() else raw[key]
     if "model" not in raw or "training_file" not in raw:
         raise ValueError(f"{path}: model and training_file are required")
-    return JobSpec(job_id=job_id or f"local-{path.stem}", lora=LoraSpec(**lora), **raw)
+    return JobSpec(job_id=job_id or f"local-{path.stem}", **parts, **raw)
 
 
 def main(argv: list[str] | None = None) -> int:

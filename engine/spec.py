@@ -24,6 +24,20 @@ class LoraSpec:
 
 
 @dataclass
+class MemorySpec:
+    """Swap Core (engine/memory/swap_core.py): what the backward recomputes and where kept
+    activations live. ``recompute``: none | full (each attention and MLP block recomputed) |
+    selective (the outputs of ``cache_ops`` kept, the rest recomputed). ``tier``: device | host
+    (pinned, async copies) | auto (device up to ``device_budget_mb``, then host). ``quantize``:
+    none | fp8 | int8: keep 16-bit outputs in one byte an element with a scale per 32."""
+    recompute: Literal["none", "full", "selective"] = "none"
+    cache_ops: list[str] = field(default_factory=lambda: ["mm", "grouped_mm"])
+    tier: Literal["device", "host", "auto"] = "device"
+    quantize: Literal["none", "fp8", "int8"] = "none"
+    device_budget_mb: float | None = None  # tier auto: device bytes the cache may hold
+
+
+@dataclass
 class JobSpec:
     job_id: str
     model: str  # base model name; its weights are in store.model_dir(model)
@@ -46,6 +60,7 @@ class JobSpec:
     training: Literal["lora", "full"] = "lora"  # full: every parameter (pretraining, the convergence bench)
     moe_bias_rate: float = 1e-3  # full training: aux-loss-free router balancing step (K3: ~1e-3)
     lora: LoraSpec = field(default_factory=LoraSpec)
+    memory: MemorySpec = field(default_factory=MemorySpec)
     resume_from: str | None = None  # store key of a checkpoint folder
 
     def to_json(self) -> str:
@@ -55,6 +70,7 @@ class JobSpec:
     def from_json(cls, text: str) -> "JobSpec":
         d = json.loads(text)
         d["lora"] = LoraSpec(**d.get("lora", {}))
+        d["memory"] = MemorySpec(**d.get("memory", {}))
         return cls(**d)
 
     @property

@@ -11,7 +11,7 @@ import resource
 import tempfile
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.data import IGNORE, Dataset, ImageCache, collate, epoch_batches, split
 from engine.lora import apply_lora, load_adapter, save_adapter
+from engine.memory import apply_swap_core
 from engine.spec import JobSpec, Reporter, Store, TrainResult
 from engine.config import ModelConfig, count_parameters
 from engine.model.moe import Router
@@ -189,6 +190,11 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
     else:
         apply_lora(model, spec.lora)
     model.to(device).train()
+    swap = apply_swap_core(model, spec.memory)
+    if swap is not None:
+        m = spec.memory
+        reporter.message(f"Recompute: {m.recompute}" + (f", keeping {', '.join(m.cache_ops)} outputs on the {m.tier} tier"
+                         + (f" as {m.quantize}" if m.quantize != "none" else "") if m.recompute == "selective" else ""), data=asdict(m))
     total_params = sum(p.numel() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_train = sum(p.numel() for p in trainable)
@@ -257,6 +263,9 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
                    "grad_norm": float(grad_norm), "tokens_per_second": seen / (time.perf_counter() - t0),
                    "trained_tokens": tokens, "rows": rows, "skipped_steps": skipped,
                    "peak_memory_mb": peak_memory_mb(device)}
+        if swap is not None and swap.ops:  # what Swap Core kept at its fullest this step
+            metrics.update({f"swap_{tier}_mb": swap.peak[tier] / 2**20 for tier in ("device", "host")})
+            swap.reset_peaks()
         is_ckpt = step % hp.checkpoint_interval == 0 or step == hp.total_steps
         if is_ckpt and valid_idx:
             metrics.update(evaluate(model, valid_set, valid_idx, hp.batch_size, pad, pack_to, device))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.memory.swap_core import recomputing
 from engine.model.layers import RMSNorm, f32
 
 
@@ -56,7 +57,7 @@ class Router(nn.Module):
             keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, -1)[1], 1.0).bool()
             choice = choice.masked_fill(~keep.repeat_interleave(self.E // self.groups, 1), float("-inf"))
         idx = choice.topk(self.k, -1, sorted=False)[1]
-        if self.training:  # tokens per expert since the last balancing update
+        if self.training and not recomputing():  # tokens per expert since the last balancing update
             counts = torch.bincount(idx.flatten(), minlength=self.E)
             self.load = counts if self.load is None else self.load + counts
         w = scores.gather(1, idx)

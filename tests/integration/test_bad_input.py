@@ -125,6 +125,8 @@ def text_file(pg_stack):
     ({"hyperparameters": {"batch_size": 1000}}, 400, ["batch_size"], None),
     ({"hyperparameters": {"n_epoch": 3}}, 400, ["n_epoch", "Extra inputs"], None),
     ({"lora": {"rank": 0}}, 400, ["lora.rank"], None),
+    ({"hyperparameters": {"memory": {"tier": "disk"}}}, 400, ["hyperparameters.memory.tier"], None),
+    ({"hyperparameters": {"memory": {"cache_ops": ["conv"]}}}, 400, ["memory.cache_ops"], None),
     ({"lora": {"target_modules": ["qkv"]}}, 400, ["unknown name(s) qkv"], "lora.target_modules"),
     ({"lora": {"target_parameters": ["mlp.experts.gate_up_proj"]}}, 400, ["choose from none"], "lora.target_parameters"),
     ({"model": "gpt-5"}, 400, ["'gpt-5' is not available", "kiln-tiny"], "model"),

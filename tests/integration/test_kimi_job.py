@@ -46,17 +46,23 @@ def test_text_only_model_refuses_images_naming_the_line(pg_stack, sample):
 
 
 def test_hybrid_tiny_job_with_images(pg_stack, sample):
-    """The K3-style hybrid (KDA + Gated DSA + LatentMoE + AttnRes + images) through the service."""
+    """The K3-style hybrid (KDA + Gated DSA + LatentMoE + AttnRes + images) through the service,
+    with Swap Core keeping the matmul outputs in host memory."""
     with pg_stack.client() as c:
         up = lambda n: c.post("/v1/files", files={"file": (n, (sample / n).read_bytes())},
                               data={"purpose": "fine-tune"}).json()["id"]
         job = c.post("/v1/fine_tuning/jobs", json={
             "model": "kiln-hybrid-tiny", "training_file": up("validation.jsonl"), "images_file": up("images.zip"),
-            "hyperparameters": {"n_epochs": 2, "batch_size": 8},
+            "hyperparameters": {"n_epochs": 2, "batch_size": 8, "memory": {"recompute": "selective", "tier": "host"}},
             "lora": {"rank": 4, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}).json()
         done = finished(c, job["id"], timeout=300)
         assert done["status"] == "succeeded", done["error"]
+        assert done["method"]["supervised"]["hyperparameters"]["memory"]["tier"] == "host"
+        events = c.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]
         r = c.get(f"/v1/fine_tuning/jobs/{job['id']}/adapter")
+    assert any(e["message"].startswith("Recompute: selective, keeping mm, grouped_mm outputs on the host tier")
+               for e in events)
+    assert any(e["type"] == "metrics" and e["data"].get("swap_host_mb", 0) > 0 for e in events)
     keys = set(load_safetensors(zipfile.ZipFile(io.BytesIO(r.content)).read("adapter_model.safetensors")))
     assert "base_model.model.layers.3.self_attn.q_b_proj.lora_A.weight" in keys  # the Gated DSA block
     assert "base_model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in keys

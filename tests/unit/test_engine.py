@@ -13,7 +13,7 @@ import engine
 from kiln.store import LocalStore
 from engine.lora import apply_lora, lora_state
 from engine.reporting import RecordingReporter
-from engine.spec import JobSpec, LoraSpec
+from engine.spec import JobSpec, LoraSpec, MemorySpec
 from engine.tiny_model import TinyConfig, TinyForCausalLM, init_weights, load_pretrained, save_pretrained
 from kiln.dataset import DatasetError
 
@@ -32,7 +32,8 @@ def spec(**kw) -> JobSpec:
 
 
 def test_spec_round_trips_through_json():
-    s = spec(resume_from="jobs/x/checkpoints/step-0000010")
+    s = spec(resume_from="jobs/x/checkpoints/step-0000010",
+             memory=MemorySpec(recompute="selective", tier="auto", device_budget_mb=512.0, quantize="int8"))
     assert JobSpec.from_json(s.to_json()) == s
 
 

@@ -18,9 +18,11 @@ def test_train_from_a_yaml_config_then_resume(tmp_path):
     cfg = tmp_path / "job.yaml"
     sample = ROOT / "data" / "sample"
     cfg.write_text(f"model: kiln-tiny\ntraining_file: {sample / 'train.jsonl'}\nimages_file: {sample / 'images.zip'}\n"
-                   "max_steps: 12\ncheckpoint_interval: 5\nlora: {rank: 4, alpha: 8}\n")
+                   "max_steps: 12\ncheckpoint_interval: 5\nlora: {rank: 4, alpha: 8}\n"
+                   "memory: {recompute: selective, tier: host}\n")
     out = run("train", str(cfg), "--store", str(tmp_path / "store"))
     assert out.returncode == 0, out.stderr
+    assert "Recompute: selective, keeping mm, grouped_mm outputs on the host tier" in out.stdout
     assert "step 10/12 loss" in out.stdout and "checkpoint at step 5" in out.stdout
     adapter = Path(out.stdout.strip().splitlines()[-1].removeprefix("adapter: "))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(zipfile.ZipFile(adapter).namelist())
@@ -35,6 +37,10 @@ def test_bad_configs_are_refused_clearly(tmp_path):
     assert out.returncode == 2 and "unknown field(s) n_epoch" in out.stderr
     cfg.write_text("model: kiln-tiny\n")
     assert "model and training_file are required" in run("train", str(cfg)).stderr
+    cfg.write_text("model: kiln-tiny\ntraining_file: x.jsonl\nmemory: {tier: disk}\n")
+    assert "memory.tier: 'disk'; expected device, host or auto" in run("train", str(cfg)).stderr
+    cfg.write_text("model: kiln-tiny\ntraining_file: x.jsonl\nmemory: {budget: 3}\n")
+    assert "unknown memory field(s) budget" in run("train", str(cfg)).stderr
     bad_data = tmp_path / "d.jsonl"
     bad_data.write_text('{"messages": [{"role": "user", "content": "q"}]}\n')
     cfg.write_text(f"model: kiln-tiny\ntraining_file: {bad_data}\n")

@@ -1,0 +1,343 @@
+"""Swap Core: activation recompute per block, with an op-level cache that keeps chosen outputs.
+
+Blocks are the attention and MLP sublayers of every decoder layer (``model.layers[i].self_attn``,
+``.mlp``). Each runs under non-reentrant ``torch.utils.checkpoint``: its activations are dropped
+after the forward and recomputed from the block's inputs in the backward.
+
+- ``recompute: full``: the whole block is recomputed.
+- ``recompute: selective``: the outputs of the chosen ops (``cache_ops``: matmuls, grouped GEMMs)
+  are kept from the forward and handed back during the recompute, which then redoes only the
+  cheap ops around them. Where a kept output lives is the ``tier``:
+  ``device`` (device memory), ``host`` (pinned host memory: copied out on a side stream as the
+  forward goes, and brought back one block ahead of the backward, so copies overlap compute) or
+  ``auto`` (device memory while the cache's live device bytes stay under ``device_budget_mb``,
+  host memory beyond).
+- ``quantize``: 16-bit outputs (bf16 under autocast) are kept in one byte an element with an
+  fp32 scale per block of 32 along the last dim (per row when it does not divide): ``fp8``
+  (float8 e4m3) or ``int8`` (absmax). 1.125 bytes an element instead of 2. fp32 outputs (router
+  scores, computed in fp32 on purpose) stay exact. e4m3 keeps 3 mantissa bits whatever the
+  scale, ~2.4% relative error on Gaussian-like rows; int8 uses the narrow range inside a
+  block, ~0.7% (measured on CPU, tests/unit/test_swap_core.py), so int8 is the precise one.
+
+Unquantized, the gradients are bit-equal to a run without recompute: a kept value is the
+forward's own value, and every other op is recomputed deterministically with the forward's RNG
+state. The recompute must run the kept ops in the forward's order; if it does not (a block whose
+control flow depends on global state), training stops with an error rather than use wrong data.
+
+Legend: N rows (all dims but the last), C the last dim.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import defaultdict, deque
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from engine.spec import MemorySpec
+
+aten = torch.ops.aten
+# The op classes a config may name; a class covers the aten ops that compute it.
+OP_CLASSES: dict[str, tuple[str, ...]] = {
+    "mm": ("mm", "addmm"),  # nn.Linear and every 2-D matmul (3-D inputs fold to 2-D)
+    "bmm": ("bmm", "baddbmm"),  # batched matmuls (attention scores, einsum contractions)
+    "grouped_mm": ("_grouped_mm",),  # torch's grouped GEMM for experts (torch >= 2.8)
+    "attention": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention"),
+}
+QUANT = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # code dtype, largest code
+BLOCK = 32  # elements per quantization scale
+
+_recomputing = 0
+
+
+def recomputing() -> bool:
+    """True while a block is being recomputed in the backward: a module that counts or records
+    something in its forward (the router's expert load) must do it once, not twice."""
+    return _recomputing > 0
+
+
+def check_spec(spec: MemorySpec) -> None:
+    """A ValueError naming the first bad setting."""
+    if spec.recompute not in ("none", "full", "selective"):
+        raise ValueError(f"memory.recompute: {spec.recompute!r}; expected none, full or selective")
+    if spec.tier not in ("device", "host", "auto"):
+        raise ValueError(f"memory.tier: {spec.tier!r}; expected device, host or auto")
+    if spec.quantize not in ("none", *QUANT):
+        raise ValueError(f"memory.quantize: {spec.quantize!r}; expected none, {', '.join(QUANT)}")
+    if spec.device_budget_mb is not None and spec.device_budget_mb < 0:
+        raise ValueError("memory.device_budget_mb must be >= 0")
+    resolve_ops(spec.cache_ops)
+
+
+def resolve_ops(names: list[str]) -> frozenset:
+    """aten op packets for the op classes named; a class whose ops this torch lacks adds none."""
+    unknown = sorted(set(names) - set(OP_CLASSES))
+    if unknown:
+        raise ValueError(f"memory.cache_ops: unknown op class(es) {', '.join(unknown)}; "
+                         f"known: {', '.join(OP_CLASSES)}")
+    return frozenset(getattr(aten, op) for n in names for op in OP_CLASSES[n] if hasattr(aten, op))
+
+
+@dataclass
+class _Kept:
+    """One kept tensor: where it is, and how to make the original back."""
+    data: torch.Tensor  # the value, or its codes [N, b]; on the device or in host memory
+    scale_N1: torch.Tensor | None  # quantized: one fp32 scale per block of b
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    tier: str  # "device" | "host"
+    nbytes: int
+    version: int
+    alias: torch.Tensor | None = None  # the forward's tensor, until the block's forward ends (in-place check)
+
+
+@dataclass(eq=False)
+class _Frame:
+    """What one block's forward kept, in op order, and the state of its copies back."""
+    kept: dict[Any, deque] = field(default_factory=lambda: defaultdict(deque))
+    fetched: bool = False
+    ready: torch.cuda.Event | None = None  # set when the copies back to the device are done
+
+
+class SwapCore:
+    """The cache and the copy stream for one model; ``wrap`` makes a module a recomputed block."""
+
+    def __init__(self, spec: MemorySpec):
+        check_spec(spec)
+        self.spec = spec
+        self.ops = resolve_ops(spec.cache_ops) if spec.recompute == "selective" else frozenset()
+        self.budget = (spec.device_budget_mb or 0.0) * 2**20
+        self.frames: list[weakref.ref] = []  # blocks of the forward not yet recomputed, in order
+        self.live = {"device": 0, "host": 0}  # bytes kept now
+        self.peak = {"device": 0, "host": 0}  # the most kept at once since reset_peaks()
+        self._stream: torch.cuda.Stream | None = None
+
+    # -- the blocks -------------------------------------------------------------------------
+    def wrap(self, module: nn.Module) -> None:
+        """Recompute ``module`` in the backward. The forward is replaced on the instance only, so
+        parameter names (and adapters) stay as they are."""
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            if not (torch.is_grad_enabled() and module.training):
+                return inner(*args, **kwargs)  # evaluation: nothing to keep
+            # No early stop: the recompute runs the whole block, so a recompute that takes another
+            # path than the forward is caught (by the kept ops' order and torch's own count of saved
+            # tensors) instead of handing the backward another tensor of the same shape.
+            with set_checkpoint_early_stop(False):
+                return checkpoint(inner, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
+
+        module.forward = forward
+
+    def _contexts(self):
+        if not self.ops:  # full recompute: nothing to keep, only the recompute flag
+            return nullcontext(), _flag_recompute()
+        frame = _Frame()
+        self.frames.append(weakref.ref(frame))
+        return _Keep(self, frame), _Reuse(self, frame)
+
+    def reset_peaks(self) -> None:
+        self.peak = dict(self.live)
+
+    # -- keeping and giving back --------------------------------------------------------------
+    def stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _count(self, tier: str, nbytes: int) -> None:
+        self.live[tier] += nbytes
+        self.peak[tier] = max(self.peak[tier], self.live[tier])
+
+    def _tier(self, nbytes: int) -> str:
+        if self.spec.tier == "auto":
+            return "device" if self.live["device"] + nbytes <= self.budget else "host"
+        return self.spec.tier
+
+    def keep(self, x: torch.Tensor) -> _Kept:
+        """Store a forward output (called inside the op dispatch: no autograd here)."""
+        data, scale = x.detach(), None
+        if self.spec.quantize != "none" and x.dtype in (torch.bfloat16, torch.float16) and x.dim() and x.numel():
+            data, scale = quantize(data, self.spec.quantize)
+        nbytes = data.numel() * data.element_size() + (scale.numel() * 4 if scale is not None else 0)
+        tier = self._tier(nbytes)
+        if tier == "host" and x.is_cuda:
+            data, scale = self._to_host(data), self._to_host(scale) if scale is not None else None
+        self._count(tier, nbytes)
+        return _Kept(data, scale, x.shape, x.dtype, x.device, tier, nbytes, x._version, alias=x)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A pinned host copy, made on the side stream after the compute that wrote ``t``."""
+        s = self.stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+        t.record_stream(s)  # the device memory is reused only after the copy
+        return host
+
+    def fetch(self, frame: _Frame) -> None:
+        """Start bringing a block's host-kept tensors back to the device (on the side stream)."""
+        if frame.fetched:
+            return
+        frame.fetched = True
+        todo = [k for q in frame.kept.values() for item in q for k in _leaves(item)
+                if k.tier == "host" and k.device.type == "cuda"]
+        if not todo:
+            return
+        s = self.stream()  # the copies out were queued on this stream too: they come first
+        with torch.cuda.stream(s):
+            for k in todo:
+                k.data = k.data.to(k.device, non_blocking=True)
+                if k.scale_N1 is not None:
+                    k.scale_N1 = k.scale_N1.to(k.device, non_blocking=True)
+            frame.ready = torch.cuda.Event()
+            frame.ready.record(s)
+        for k in todo:  # used and freed on the compute stream
+            k.data.record_stream(torch.cuda.current_stream())
+            if k.scale_N1 is not None:
+                k.scale_N1.record_stream(torch.cuda.current_stream())
+
+    def give_back(self, k: _Kept) -> torch.Tensor:
+        """The kept output as the recompute's op returns it."""
+        self.live[k.tier] -= k.nbytes
+        if k.alias is not None or (k.scale_N1 is None and k.data.device == k.device and k.data._version != k.version):
+            raise RuntimeError("Swap Core: a kept output was changed in place after its block's forward")
+        data = k.data if k.data.device == k.device else k.data.to(k.device)
+        if k.scale_N1 is None:
+            return data
+        return (data.to(torch.float32) * k.scale_N1.to(data.device)).to(k.dtype).view(k.shape)
+
+
+    def next_to_recompute(self, frame: _Frame) -> _Frame | None:
+        """The block the backward will recompute after ``frame``: the one before it in the forward."""
+        alive = [f for f in (r() for r in self.frames) if f is not None]
+        self.frames = [weakref.ref(f) for f in alive]
+        i = next((j for j, f in enumerate(alive) if f is frame), None)
+        return alive[i - 1] if i else None
+
+    def forget(self, frame: _Frame) -> None:
+        for q in frame.kept.values():
+            for item in q:
+                for k in _leaves(item):
+                    self.live[k.tier] -= k.nbytes
+        frame.kept.clear()
+        self.frames = [r for r in self.frames if r() is not None and r() is not frame]
+
+
+def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One byte an element: codes [N, b] and fp32 scales [N, 1] for blocks of b = 32 along the
+    last dim (the whole last dim when 32 does not divide it)."""
+    code, top = QUANT[kind]
+    b = BLOCK if x.shape[-1] % BLOCK == 0 else x.shape[-1]
+    blocks = x.reshape(-1, b).float()
+    scale_N1 = (blocks.abs().amax(-1, keepdim=True) / top).clamp_min(1e-30)
+    scaled = blocks / scale_N1
+    return (scaled.round() if code == torch.int8 else scaled).to(code), scale_N1
+
+
+def _leaves(item) -> Iterator[_Kept]:
+    if isinstance(item, _Kept):
+        yield item
+    elif isinstance(item, (tuple, list)):
+        for x in item:
+            yield from _leaves(x)
+
+
+class _Keep(TorchDispatchMode):
+    """The block's forward: run every op, keep the outputs of the chosen ones."""
+
+    def __init__(self, core: SwapCore, frame: _Frame):
+        super().__init__()
+        self.core, self.frame = core, frame
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in self.core.ops:
+            self.frame.kept[func].append(tree_map_only(torch.Tensor, self.core.keep, out))
+        return out
+
+    def __exit__(self, *exc):
+        for q in self.frame.kept.values():  # an output changed in place later in the block would be stale
+            for item in q:
+                for k in _leaves(item):
+                    if k.alias is not None and k.alias._version != k.version:
+                        raise RuntimeError("Swap Core: an op changed a kept output in place; recompute that block "
+                                           "fully or take the op's class out of memory.cache_ops")
+                    k.alias = None  # a host copy holds the device memory only until it is done
+        return super().__exit__(*exc)
+
+
+class _Reuse(TorchDispatchMode):
+    """The block's recompute: the chosen ops return what the forward kept, the rest run again."""
+
+    def __init__(self, core: SwapCore, frame: _Frame):
+        super().__init__()
+        self.core, self.frame = core, frame
+
+    def __enter__(self):
+        global _recomputing
+        if self.frame.kept is None:
+            raise RuntimeError("Swap Core: a block was recomputed twice (a second backward through one graph)")
+        _recomputing += 1
+        self.core.fetch(self.frame)
+        nxt = self.core.next_to_recompute(self.frame)
+        if nxt is not None:
+            self.core.fetch(nxt)  # the next block's copies overlap this block's compute
+        if self.frame.ready is not None:
+            torch.cuda.current_stream().wait_event(self.frame.ready)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        global _recomputing
+        _recomputing -= 1
+        left = sum(len(q) for q in self.frame.kept.values())
+        self.core.forget(self.frame)
+        self.frame.kept = None  # type: ignore[assignment]
+        super().__exit__(*exc)
+        if left and exc[0] is None:
+            raise RuntimeError(f"Swap Core: the recompute ran {left} kept op(s) fewer than the forward did; "
+                               "the block's control flow changed between forward and backward")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket not in self.core.ops:
+            return func(*args, **(kwargs or {}))
+        q = self.frame.kept.get(func)
+        if not q:
+            raise RuntimeError(f"Swap Core: the recompute ran {func} more often than the forward did; the "
+                               "block's control flow changed between forward and backward")
+        return tree_map_only(_Kept, self.core.give_back, q.popleft())
+
+
+@contextmanager
+def _flag_recompute():
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
+
+
+def apply_swap_core(model: nn.Module, spec: MemorySpec) -> SwapCore | None:
+    """Make every decoder layer's attention and MLP a recomputed block, as ``spec`` says."""
+    core = SwapCore(spec)  # validates the spec
+    if spec.recompute == "none":
+        return None
+    layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"memory.recompute: {type(model).__name__} has no decoder layers to recompute")
+    for layer in layers:
+        for name in ("self_attn", "mlp"):
+            core.wrap(getattr(layer, name))
+    return core

@@ -1,0 +1,263 @@
+"""Swap Core: recompute per block with kept op outputs. Without quantization the gradients are
+bit-equal to a run without recompute, on every tier; the kept ops really are skipped in the
+recompute; quantized caches stay close; misuse is an error, never silently wrong gradients."""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.config import ModelConfig
+from engine.lora import apply_lora
+from engine.memory import apply_swap_core
+from engine.memory.swap_core import SwapCore, quantize
+from engine.model.hybrid import HybridForCausalLM
+from engine.model.moe import Router
+from engine.spec import LoraSpec, MemorySpec
+
+LORA = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "o_proj", "down_proj", "q_a_proj", "latent_down"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> HybridForCausalLM:
+    """The debug hybrid at 4 layers (KDA, KDA, KDA, Gated DSA; MoE; AttnRes) with LoRA on
+    projections and experts, every weight random (LoRA B too, so every gradient is non-zero)."""
+    torch.manual_seed(0)
+    c = ModelConfig.debug()
+    c.layers, c.attn_res_block = 4, 4
+    model = HybridForCausalLM(c, image_token_id=5)
+    apply_lora(model, LORA)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def batch(vocab: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 40), generator=g)
+    docs = torch.tensor([[0] * 15 + [1] * 25, [0] * 40])  # two documents packed in the first row
+    pos = torch.stack([torch.cat([torch.arange(15), torch.arange(25)]), torch.arange(40)])
+    return ids, docs, pos
+
+
+def grads(base, spec: MemorySpec, dtype=torch.float32, autocast: bool = False):
+    """One forward and backward of a copy of ``base``: (loss, gradients, the SwapCore)."""
+    model = copy.deepcopy(base).to(dtype).train()
+    core = apply_swap_core(model, spec)
+    ids, docs, pos = batch(model.config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(ids, None, docs, pos).float()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    (loss + model.indexer_loss()).backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, core
+
+
+def rel_err(a: dict, b: dict) -> float:
+    num = sum(((a[n].double() - b[n].double()) ** 2).sum() for n in b)
+    return float((num / sum((b[n].double() ** 2).sum() for n in b)).sqrt())
+
+
+EXACT = [MemorySpec(recompute="full"),
+         MemorySpec(recompute="selective"),
+         MemorySpec(recompute="selective", tier="host"),
+         MemorySpec(recompute="selective", tier="auto", device_budget_mb=0.05),
+         MemorySpec(recompute="selective", cache_ops=["mm", "bmm", "grouped_mm", "attention"])]
+
+
+@pytest.mark.parametrize("spec", EXACT, ids=lambda s: f"{s.recompute}-{s.tier}-{'+'.join(s.cache_ops)}")
+def test_gradients_are_bit_equal_to_no_recompute(hybrid, spec):
+    loss0, ref, _ = grads(hybrid, MemorySpec())
+    loss, got, core = grads(hybrid, spec)
+    trainable = {n for n, p in hybrid.named_parameters() if p.requires_grad}
+    assert got.keys() == ref.keys() == trainable  # every LoRA factor has a gradient
+    assert torch.equal(loss, loss0)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+        assert ref[name].abs().sum() > 0, name
+    if spec.recompute == "selective":
+        assert sum(core.peak.values()) > 0  # something was kept...
+        assert core.live == {"device": 0, "host": 0}  # ...and all of it handed back or dropped
+
+
+def test_full_training_is_bit_equal_too(hybrid):
+    """Every weight trains: the DSA indexer's KL loss (a side output of the block) and the
+    router's weights take gradients through the recompute as well."""
+    base = copy.deepcopy(hybrid).requires_grad_(True)
+    _, ref, _ = grads(base, MemorySpec())
+    _, got, _ = grads(base, MemorySpec(recompute="selective", tier="host"))
+    assert any("indexer" in n for n in ref) and any("gate.weight" in n for n in ref)
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_calls(base, spec: MemorySpec) -> Counter:
+    model = copy.deepcopy(base).train()
+    apply_swap_core(model, spec)
+    ids, docs, pos = batch(model.config.vocab_size)
+    loss = model(ids, None, docs, pos).logsumexp(-1).mean()
+    with OpCounter() as counter:
+        loss.backward()
+    return counter.calls
+
+
+def test_selective_recompute_skips_the_kept_ops(hybrid):
+    none = backward_calls(hybrid, MemorySpec())
+    full = backward_calls(hybrid, MemorySpec(recompute="full"))
+    kept = backward_calls(hybrid, MemorySpec(recompute="selective"))
+    # full recompute runs the blocks' matmuls again; selective hands them back from the cache
+    assert full["mm"] > none["mm"] and kept["mm"] == none["mm"]
+    assert kept["bmm"] == full["bmm"] > none["bmm"]  # bmm is not in the default cache_ops: recomputed
+    assert full["mul"] > none["mul"] and kept["mul"] == full["mul"]  # the cheap ops run again either way
+
+
+def test_the_tier_and_budget_decide_where_outputs_live(hybrid):
+    _, _, dev = grads(hybrid, MemorySpec(recompute="selective", tier="device"))
+    _, _, host = grads(hybrid, MemorySpec(recompute="selective", tier="host"))
+    _, _, auto = grads(hybrid, MemorySpec(recompute="selective", tier="auto", device_budget_mb=0.1))
+    _, _, zero = grads(hybrid, MemorySpec(recompute="selective", tier="auto", device_budget_mb=0))
+    total = dev.peak["device"]
+    assert dev.peak["host"] == 0 and host.peak == {"device": 0, "host": total}
+    assert 0 < auto.peak["device"] <= 0.1 * 2**20 < total and auto.peak["host"] > 0
+    assert zero.peak == {"device": 0, "host": total}
+
+
+def test_quantize_codes_and_error():
+    x = torch.randn(512, 256) * torch.rand(512, 1) * 4
+    x[:, :4] *= 20  # outlier channels, as activations have
+    for kind, code, bound in (("fp8", torch.float8_e4m3fn, 0.03), ("int8", torch.int8, 0.01)):
+        data, scale = quantize(x, kind)
+        assert data.dtype == code and data.shape == (512 * 256 // 32, 32) and scale.shape == (512 * 8, 1)
+        back = (data.float() * scale).view_as(x)
+        err = float((back - x).norm() / x.norm())
+        assert 0 < err < bound, (kind, err)
+    odd, _ = quantize(torch.randn(3, 5, 7), "int8")  # 7 is no multiple of 32: one scale per row
+    assert odd.shape == (15, 7)
+
+
+def test_quantized_caches_are_close_and_half_the_bytes(hybrid):
+    _, ref, exact = grads(hybrid, MemorySpec(recompute="selective"), torch.bfloat16)
+    errors = {}
+    for kind in ("fp8", "int8"):
+        _, got, core = grads(hybrid, MemorySpec(recompute="selective", quantize=kind), torch.bfloat16)
+        errors[kind] = rel_err(got, ref)
+        assert all(torch.isfinite(g).all() for g in got.values())
+        assert core.peak["device"] < 0.65 * exact.peak["device"]  # 1.125 bytes an element instead of 2
+    # Measured here: int8 0.022, fp8 0.072 against the unquantized bf16 gradients (the DSA top-k
+    # turns small changes into other selections; e4m3 keeps 3 mantissa bits). Not within the
+    # 1e-2 of a bf16 kernel: quantized caches trade exactness for bytes, int8 the least.
+    assert 0 < errors["int8"] < 0.03 and errors["int8"] < errors["fp8"] < 0.1, errors
+
+
+def test_router_counts_its_load_once(hybrid):
+    loads = []
+    for spec in (MemorySpec(), MemorySpec(recompute="full"), MemorySpec(recompute="selective")):
+        model = copy.deepcopy(hybrid).train()
+        apply_swap_core(model, spec)
+        ids, docs, pos = batch(model.config.vocab_size)
+        model(ids, None, docs, pos).sum().backward()  # the backward recomputes the routers
+        loads.append([m.load.clone() for m in model.modules() if isinstance(m, Router)])
+    assert loads[0] and all(torch.equal(a, b) for other in loads[1:] for a, b in zip(loads[0], other))
+
+
+def test_evaluation_keeps_nothing(hybrid):
+    model = copy.deepcopy(hybrid).eval()
+    core = apply_swap_core(model, MemorySpec(recompute="selective"))
+    ids, docs, pos = batch(model.config.vocab_size)
+    with torch.no_grad():
+        model(ids, None, docs, pos)
+    assert core.peak == {"device": 0, "host": 0} and not core.frames
+
+
+class Branchy(torch.nn.Module):
+    """A block whose forward depends on global state: the recompute takes another path."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.extra = False
+
+    def forward(self, x):
+        y = x @ self.w
+        return (y @ self.w if self.extra else y).tanh()
+
+
+class InPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        y = x @ self.w
+        y.mul_(2)  # changes the kept matmul output
+        return y.tanh()
+
+
+@pytest.mark.parametrize("forward_extra", [False, True])
+def test_a_recompute_that_diverges_is_an_error(forward_extra):
+    """torch's checkpoint stops recomputing early by default: a recompute that took another path
+    could hand the backward a tensor of the same shape. Swap Core turns that off, so either its
+    own order check or torch's count of saved tensors stops the step."""
+    block = Branchy()
+    SwapCore(MemorySpec(recompute="selective")).wrap(block)
+    block.extra = forward_extra
+    out = block(torch.randn(8, 8))  # square: the extra matmul's tensors look like the first one's
+    block.extra = not forward_extra
+    with pytest.raises(RuntimeError, match="control flow changed|tensors during recomputation"):
+        out.sum().backward()
+
+
+def test_an_in_place_change_of_a_kept_output_is_an_error():
+    block = InPlace()
+    SwapCore(MemorySpec(recompute="selective")).wrap(block)
+    with pytest.raises(RuntimeError, match="changed a kept output in place"):
+        block(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("recompute", "some", "memory.recompute"), ("tier", "disk", "memory.tier"), ("quantize", "fp4", "memory.quantize"),
+    ("cache_ops", ["mm", "conv"], "unknown op class"), ("device_budget_mb", -1.0, "device_budget_mb")])
+def test_bad_settings_are_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SwapCore(MemorySpec(**{"recompute": "selective", field: value}))
+
+
+def test_a_model_without_layers_is_refused():
+    with pytest.raises(ValueError, match="no decoder layers"):
+        apply_swap_core(torch.nn.Linear(2, 2), MemorySpec(recompute="full"))
+
+
+def test_a_job_trains_the_same_with_swap_core(tmp_path):
+    """Through engine.train: kiln-hybrid-tiny, images, packing, LoRA on the experts too."""
+    import engine
+    from engine.reporting import RecordingReporter
+    from engine.spec import JobSpec
+    from kiln.store import LocalStore
+    from tests.unit.test_engine import SAMPLE
+
+    def job(memory: MemorySpec) -> RecordingReporter:
+        rec = RecordingReporter()
+        engine.train(JobSpec(job_id="ftjob-swap", model="kiln-hybrid-tiny", training_file=str(SAMPLE / "train.jsonl"),
+                             images_file=str(SAMPLE / "images.zip"), max_steps=3, batch_size=4, seed=3,
+                             lora=LORA, memory=memory), LocalStore(tmp_path / memory.recompute), rec)
+        return rec
+
+    plain = job(MemorySpec())
+    swapped = job(MemorySpec(recompute="selective", tier="host"))
+    assert swapped.losses == plain.losses and len(plain.losses) == 3
+    assert "Recompute: selective, keeping mm, grouped_mm outputs on the host tier" in swapped.messages
+    assert swapped.steps[3]["swap_host_mb"] > 0 and swapped.steps[3]["swap_device_mb"] == 0
+    assert "swap_host_mb" not in plain.steps[3]
