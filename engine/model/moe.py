@@ -50,7 +50,8 @@ class Router(nn.Module):
         self.load: torch.Tensor | None = None  # tokens per expert, counted while training
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(f32(x_ND), f32(self.weight)).sigmoid()
+        with torch.autocast(x_ND.device.type, enabled=False):  # fp32 scores under bf16 autocast too: the
+            scores = F.linear(f32(x_ND), f32(self.weight)).sigmoid()  # choice of experts must not round away
         choice = scores + self.e_score_correction_bias
         if self.groups > 1:
             best = choice.view(-1, self.groups, self.E // self.groups).topk(2, -1)[0].sum(-1)

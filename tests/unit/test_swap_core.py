@@ -162,6 +162,15 @@ def test_quantized_caches_are_close_and_half_the_bytes(hybrid):
     assert 0 < errors["int8"] < 0.03 and errors["int8"] < errors["fp8"] < 0.1, errors
 
 
+def test_quantized_caches_keep_the_routing_under_autocast(hybrid):
+    """Seen on the H200: autocast ran the router's fp32 matmul in bf16, the quantized cache then
+    changed which experts the recompute chose, and the step failed. The router scores in fp32."""
+    _, ref, _ = grads(hybrid, MemorySpec(recompute="selective"), autocast=True)
+    for kind in ("int8", "fp8"):
+        _, got, core = grads(hybrid, MemorySpec(recompute="selective", quantize=kind), autocast=True)
+        assert core.live == {"device": 0, "host": 0} and 0 < rel_err(got, ref) < 0.1
+
+
 def test_router_counts_its_load_once(hybrid):
     loads = []
     for spec in (MemorySpec(), MemorySpec(recompute="full"), MemorySpec(recompute="selective")):
