@@ -1,0 +1,194 @@
+"""Swap Core on the hybrid model: step time and peak memory of a LoRA training step for no
+recompute, full recompute, and Swap Core on each tier and quantization, all in one run.
+
+    python3 -m bench.swap_core                      # the H200 size (below), bf16 autocast
+    python3 -m bench.swap_core --size debug --device cpu   # seconds, to check the script
+
+Each mode trains the same model on the same batch (LoRA on every projection and on the experts,
+AdamW): ``--warmup`` steps, then the median of ``--steps`` timed steps; peak memory is
+``torch.cuda.max_memory_allocated`` over the timed steps. The first step's gradients are compared
+with the no-recompute run's (bit-equal expected without quantization). Baseline: full recompute,
+measured in the same run (the issue's goal: >= 1.15x its speed at <= 1.1x its peak memory).
+Writes bench/results/swap_core.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import DSAConfig, KDAConfig, ModelConfig, MoEConfig
+from engine.lora import apply_lora
+from engine.memory import apply_swap_core
+from engine.model.hybrid import HybridForCausalLM
+from engine.spec import LoraSpec, MemorySpec
+
+MODES = {
+    "no recompute": MemorySpec(),
+    "no recompute, again": MemorySpec(),  # the run-to-run noise of the gradients
+    "full recompute": MemorySpec(recompute="full"),
+    "swap core, device": MemorySpec(recompute="selective", tier="device"),
+    "swap core, host": MemorySpec(recompute="selective", tier="host"),
+    "swap core, host, int8": MemorySpec(recompute="selective", tier="host", quantize="int8"),
+    "swap core, host, fp8": MemorySpec(recompute="selective", tier="host", quantize="fp8"),
+    "swap core, device, fp8": MemorySpec(recompute="selective", tier="device", quantize="fp8"),
+}
+BASELINE = "full recompute"
+
+
+def bench_config(size: str) -> tuple[ModelConfig, int]:
+    """(model, tokens). ``h200``: K3's layer shapes at a quarter of the width where it matters
+    little (KDA 32 x 128 heads, hidden 4096), a K3-like MoE slice (64 experts, top-8, latent),
+    3 KDA + 1 Gated DSA layers, one packed row of 4096 tokens."""
+    if size == "debug":
+        c = ModelConfig.debug(vocab_size=512)
+        c.layers, c.attn_res_block, c.vision = 4, 4, None
+        return c, 128
+    c = ModelConfig(vocab_size=32000, hidden=4096, layers=4,
+                    kda=KDAConfig(heads=32, head_dim=128, gate_lower_bound=-5.0, full_rank_gate=True),
+                    dsa=DSAConfig(heads=32, q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_dim=128,
+                                  index_heads=16, index_head_dim=128, index_topk=2048, gated=True, rope=False),
+                    moe=MoEConfig(experts=64, top_k=8, inter=1024, shared=1, latent=2048, first_dense=1,
+                                  dense_inter=8192),
+                    activation="situ", attn_res=True, attn_res_block=4)
+    return c, 4096
+
+
+def build(c: ModelConfig, device: torch.device) -> HybridForCausalLM:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = HybridForCausalLM(c)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif "A_log" in name or "dt_bias" in name or "attn_res" in name:
+                p.zero_()
+            else:
+                p.normal_(0, 0.02)
+    apply_lora(model, LoraSpec(rank=16, alpha=32, target_modules=[
+        "q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_b_proj", "gate_proj",
+        "up_proj", "down_proj", "latent_down", "latent_up"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    return model.train()
+
+
+def unwrap(model: HybridForCausalLM) -> None:
+    """Undo apply_swap_core: the blocks' forwards back to their classes'."""
+    for layer in model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            vars(block).pop("forward", None)
+
+
+def step(model, opt, ids, device) -> None:
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref: dict | None) -> dict:
+    unwrap(model)
+    core = apply_swap_core(model, spec)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in trainable]  # every mode starts from the same weights
+    opt = torch.optim.SGD(trainable, lr=0.0)  # lr 0: the weights stay, the optimizer step still runs
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits = model(ids)
+    torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.zero_grad(set_to_none=True)
+    del logits
+    for _ in range(warmup):
+        step(model, opt, ids, device)
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step(model, opt, ids, device)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    with torch.no_grad():
+        for p, s in zip(trainable, saved):
+            p.copy_(s)
+    out = {"step_s": statistics.median(times), "times_s": times, "peak_gib": peak,
+           "kept_device_gib": core.peak["device"] / 2**30 if core else 0.0,
+           "kept_host_gib": core.peak["host"] / 2**30 if core else 0.0}
+    if ref is not None:
+        num = sum(((grads[n].double() - ref[n].double()) ** 2).sum() for n in ref)
+        out["grad_rel_err"] = float((num / sum((ref[n].double() ** 2).sum() for n in ref)).sqrt())
+        out["grads_bit_equal"] = all(torch.equal(grads[n], ref[n]) for n in ref)
+    return out, grads
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=["h200", "debug"], default="h200")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, help="tokens in the packed row (default: the size's)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms: CUDA's atomics (index_add_ in the MoE loop) "
+                        "otherwise make even two identical runs differ")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "swap_core.json")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    cfg, tokens = bench_config(args.size)
+    tokens = args.tokens or tokens
+    model = build(cfg, device)
+    ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    results, ref = {}, None
+    for name in ["no recompute"] + [m for m in args.modes if m != "no recompute"]:
+        try:
+            results[name], grads = run_mode(model, MODES[name], ids, device, args.warmup, args.steps, ref)
+        except torch.OutOfMemoryError:
+            results[name] = {"oom": True}
+            grads = None
+        if name == "no recompute":
+            ref = grads
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(name, results[name].get("step_s", "OOM"), flush=True)
+    base = results[BASELINE]
+    print(f"\nSwap Core, hybrid {args.size} ({tokens} tokens, LoRA, bf16 autocast on {device}"
+          f"{', deterministic' if args.deterministic else ''}); baseline: {BASELINE}")
+    print(f"{'mode':<24} {'step ms':>9} {'speed vs full':>14} {'peak GiB':>9} {'mem vs full':>12} "
+          f"{'kept dev/host GiB':>18} {'grad err':>9}")
+    for name, r in results.items():
+        if r.get("oom"):
+            print(f"{name:<24} {'OOM':>9}")
+            continue
+        err = "-" if "grad_rel_err" not in r else "exact" if r["grads_bit_equal"] else f"{r['grad_rel_err']:.1e}"
+        print(f"{name:<24} {1e3 * r['step_s']:>9.1f} {base['step_s'] / r['step_s']:>13.2f}x {r['peak_gib']:>9.2f} "
+              f"{r['peak_gib'] / base['peak_gib']:>11.2f}x {r['kept_device_gib']:>8.2f}/{r['kept_host_gib']:<9.2f} {err:>9}")
+    report = {"size": args.size, "tokens": tokens, "device": torch.cuda.get_device_name(device)
+              if device.type == "cuda" else "cpu", "torch": torch.__version__, "config": json.loads(cfg.to_json()),
+              "deterministic": args.deterministic, "baseline": BASELINE, "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
