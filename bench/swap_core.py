@@ -99,6 +99,12 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def rel_err(got: dict, ref: dict) -> float:
+    """Relative Frobenius error of a set of gradients against another, in fp64."""
+    num = sum(((got[n].double() - ref[n].double()) ** 2).sum() for n in ref)
+    return float((num / sum((ref[n].double() ** 2).sum() for n in ref)).sqrt())
+
+
 def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref: dict | None) -> dict:
     unwrap(model)
     core = apply_swap_core(model, spec)
@@ -131,8 +137,7 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
            "kept_device_gib": core.peak["device"] / 2**30 if core else 0.0,
            "kept_host_gib": core.peak["host"] / 2**30 if core else 0.0}
     if ref is not None:
-        num = sum(((grads[n].double() - ref[n].double()) ** 2).sum() for n in ref)
-        out["grad_rel_err"] = float((num / sum((ref[n].double() ** 2).sum() for n in ref)).sqrt())
+        out["grad_rel_err"] = rel_err(grads, ref)
         out["grads_bit_equal"] = all(torch.equal(grads[n], ref[n]) for n in ref)
     return out, grads
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.swap_core import bench_config, build, unwrap
+from bench.swap_core import bench_config, build, rel_err, unwrap
 from engine.memory import apply_swap_core
 from engine.spec import MemorySpec
 
@@ -50,6 +50,5 @@ def test_swap_core_on_cuda():
             assert 0 < core.peak["device"] <= 2**20 < core.peak["host"]
     for kind, bound in (("int8", 0.05), ("fp8", 0.1)):
         got, _, _ = step(model, ids, MemorySpec(recompute="selective", tier="host", quantize=kind))
-        num = sum(((got[n].double() - ref[n].double()) ** 2).sum() for n in ref)
-        err = float((num / sum((ref[n].double() ** 2).sum() for n in ref)).sqrt())
+        err = rel_err(got, ref)
         assert 0 < err < bound, (kind, err)

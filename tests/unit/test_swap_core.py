@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.swap_core import rel_err
 from engine.config import ModelConfig
 from engine.lora import apply_lora
 from engine.memory import apply_swap_core
@@ -55,11 +56,6 @@ def grads(base, spec: MemorySpec, dtype=torch.float32, autocast: bool = False):
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     (loss + model.indexer_loss()).backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, core
-
-
-def rel_err(a: dict, b: dict) -> float:
-    num = sum(((a[n].double() - b[n].double()) ** 2).sum() for n in b)
-    return float((num / sum((b[n].double() ** 2).sum() for n in b)).sqrt())
 
 
 EXACT = [MemorySpec(recompute="full"),
