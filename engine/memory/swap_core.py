@@ -107,6 +107,12 @@ class _Frame:
     fetched: bool = False
     ready: torch.cuda.Event | None = None  # set when the copies back to the device are done
 
+    def leaves(self) -> Iterator[_Kept]:
+        """Every kept tensor not yet handed back."""
+        for q in self.kept.values():
+            for item in q:
+                yield from _leaves(item)
+
 
 class SwapCore:
     """The cache and the copy stream for one model; ``wrap`` makes a module a recomputed block."""
@@ -191,8 +197,7 @@ class SwapCore:
         if frame.fetched:
             return
         frame.fetched = True
-        todo = [k for q in frame.kept.values() for item in q for k in _leaves(item)
-                if k.tier == "host" and k.device.type == "cuda"]
+        todo = [k for k in frame.leaves() if k.tier == "host" and k.device.type == "cuda"]
         if not todo:
             return
         s = self.stream()  # the copies out were queued on this stream too: they come first
@@ -218,7 +223,6 @@ class SwapCore:
             return data
         return (data.to(torch.float32) * k.scale_N1.to(data.device)).to(k.dtype).view(k.shape)
 
-
     def next_to_recompute(self, frame: _Frame) -> _Frame | None:
         """The block the backward will recompute after ``frame``: the one before it in the forward."""
         alive = [f for f in (r() for r in self.frames) if f is not None]
@@ -227,10 +231,8 @@ class SwapCore:
         return alive[i - 1] if i else None
 
     def forget(self, frame: _Frame) -> None:
-        for q in frame.kept.values():
-            for item in q:
-                for k in _leaves(item):
-                    self.live[k.tier] -= k.nbytes
+        for k in frame.leaves():
+            self.live[k.tier] -= k.nbytes
         frame.kept.clear()
         self.frames = [r for r in self.frames if r() is not None and r() is not frame]
 
@@ -268,13 +270,11 @@ class _Keep(TorchDispatchMode):
         return out
 
     def __exit__(self, *exc):
-        for q in self.frame.kept.values():  # an output changed in place later in the block would be stale
-            for item in q:
-                for k in _leaves(item):
-                    if k.alias is not None and k.alias._version != k.version:
-                        raise RuntimeError("Swap Core: an op changed a kept output in place; recompute that block "
-                                           "fully or take the op's class out of memory.cache_ops")
-                    k.alias = None  # a host copy holds the device memory only until it is done
+        for k in self.frame.leaves():  # an output changed in place later in the block would be stale
+            if k.alias is not None and k.alias._version != k.version:
+                raise RuntimeError("Swap Core: an op changed a kept output in place; recompute that block "
+                                   "fully or take the op's class out of memory.cache_ops")
+            k.alias = None  # a host copy holds the device memory only until it is done
         return super().__exit__(*exc)
 
 
