@@ -37,6 +37,17 @@ class HybridLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden, c.rms_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden, c.rms_eps)
 
+    def forward(self, res: Residuals, i: int, cu: torch.Tensor | None, positions_BT: torch.Tensor | None,
+                doc_ids_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``: attention, then the MLP, each reading its AttnRes site and adding its output
+        to ``res``. Returns both outputs (FSDP's hooks need the block to return what it made)."""
+        h = self.input_layernorm(res.input(2 * i))
+        a = self.self_attn(h, cu) if self.kind == "kda" else self.self_attn(h, positions_BT, doc_ids_BT)
+        res.add(a)
+        m = self.mlp(self.post_attention_layernorm(res.input(2 * i + 1)))
+        res.add(m)
+        return a, m
+
 
 class HybridForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, image_token_id: int | None = None):
@@ -85,7 +96,5 @@ class HybridForCausalLM(nn.Module):
         cu = cu_seqlens(doc_ids_BT) if doc_ids_BT is not None else None
         res = Residuals(x, self.attn_res, self.config.attn_res_block)
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(res.input(2 * i))
-            res.add(layer.self_attn(h, cu) if layer.kind == "kda" else layer.self_attn(h, positions_BT, doc_ids_BT))
-            res.add(layer.mlp(layer.post_attention_layernorm(res.input(2 * i + 1))))
+            layer(res, i, cu, positions_BT, doc_ids_BT)
         return self.lm_head(self.norm(res.input(2 * len(self.layers))))

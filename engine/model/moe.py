@@ -87,20 +87,23 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(E, D, I))
         self.act = ACTIVATIONS[act]
 
-    def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    def expert(self, e: int, x_MD: torch.Tensor) -> torch.Tensor:
+        """Expert ``e`` (an index into this module's tensors) on its M rows."""
         lora = getattr(self, "lora", None)  # engine.lora.ExpertsLoRA, when fine-tuning the experts
 
-        def proj(name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        def proj(name: str, x: torch.Tensor) -> torch.Tensor:
             y = F.linear(x, getattr(self, name)[e])
             d = lora.delta(name, e, x) if lora is not None else None
             return y if d is None else y + d
 
+        gate, up = proj("gate_up_proj", x_MD).chunk(2, -1)
+        return proj("down_proj", self.act(gate, up))
+
+    def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x_ND)
         for e in idx_NK.unique().tolist():
             tok, slot = (idx_NK == e).nonzero(as_tuple=True)
-            gate, up = proj("gate_up_proj", e, x_ND[tok]).chunk(2, -1)
-            y = proj("down_proj", e, self.act(gate, up)) * w_NK[tok, slot, None].to(x_ND.dtype)
-            out.index_add_(0, tok, y)
+            out.index_add_(0, tok, self.expert(e, x_ND[tok]) * w_NK[tok, slot, None].to(x_ND.dtype))
         return out
 
 

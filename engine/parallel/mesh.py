@@ -1,0 +1,63 @@
+"""The device mesh of a run: every rank is a data-parallel rank (FSDP2 shards the non-expert
+weights over all of them), and the ranks are also arranged ``ep`` x ``edp``: the experts are
+split over the ``ep`` ranks of a row, and each expert shard is FSDP-sharded again over the
+``edp`` ranks of a column. Rank r sits at (r // edp, r % edp): the ranks of one expert-data-parallel
+group are neighbours (one node on a multi-node run), the ranks of an EP group are ``edp`` apart.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class Mesh:
+    dp: DeviceMesh  # all ranks, 1-D: FSDP2 of the non-expert weights
+    experts: DeviceMesh  # ("ep", "edp"): expert parallel x FSDP2 of the expert shards
+    device: torch.device
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size()
+
+    @property
+    def ep(self) -> int:
+        return self.experts.size(0)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.experts.get_local_rank("ep")
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.experts.get_group("ep")
+
+    @property
+    def edp(self) -> DeviceMesh:
+        return self.experts["edp"]
+
+
+def init_mesh(ep_size: int = 1) -> Mesh:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU) and build the mesh.
+    ``ep_size`` must divide the world size."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    world = dist.get_world_size()
+    if ep_size < 1 or world % ep_size:
+        raise ValueError(f"parallel.ep_size {ep_size} must divide the number of processes ({world})")
+    kind = "cuda" if cuda else "cpu"
+    device = torch.device(kind, torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return Mesh(dp=init_device_mesh(kind, (world,), mesh_dim_names=("dp",)),
+                experts=init_device_mesh(kind, (ep_size, world // ep_size), mesh_dim_names=("ep", "edp")),
+                device=device)
