@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.models import Checkpoint, File, Job, JobEvent
 
@@ -19,6 +19,20 @@ class MemorySettings(BaseModel):
     tier: Literal["device", "host", "auto"] = "device"
     quantize: Literal["none", "fp8", "int8"] = "none"
     device_budget_mb: Annotated[float, Field(ge=0)] | None = Field(None, description="tier auto: device memory the cache may hold")
+
+
+class ParallelSettings(BaseModel):
+    """Processes for the job on one worker node (one per GPU; gloo on a CPU worker) and how many
+    ways the experts are split (the engine's ParallelSpec; README's "Multi-GPU" section)."""
+    model_config = ConfigDict(extra="forbid")
+    nproc: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
+    ep_size: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
+
+    @model_validator(mode="after")
+    def _ep_divides(self) -> "ParallelSettings":
+        if self.nproc % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide nproc ({self.nproc})")
+        return self
 
 
 class Hyperparameters(BaseModel):
@@ -37,6 +51,7 @@ class Hyperparameters(BaseModel):
     validation_split: Annotated[float, Field(ge=0, le=0.5)] | None = Field(
         None, description="fraction of the training file held out for validation when no validation_file is given")
     memory: MemorySettings | None = Field(None, description="activation recompute and caching (Swap Core)")
+    parallel: ParallelSettings | None = Field(None, description="processes (GPUs) and expert-parallel size")
 
 
 class LoraSettings(BaseModel):

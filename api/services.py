@@ -135,6 +135,11 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
         if unknown:
             raise ApiError(400, f"lora.{field}: unknown name(s) {', '.join(unknown)} for {req.model}; "
                            f"choose from {', '.join(allowed) or 'none'}", param=f"lora.{field}")
+    ep = hp.get("parallel", {}).get("ep_size", 1)
+    if ep > 1 and (not info["experts"] or info["experts"] % ep):
+        raise ApiError(400, f"hyperparameters.parallel.ep_size: {ep} does not divide the {info['experts']} experts "
+                       f"of {req.model}" + ("" if info["experts"] else " (it has none: use 1)"),
+                       param="hyperparameters.parallel.ep_size")
     train = _dataset_file(session, owner, req.training_file, "training_file", ("jsonl", "zip"))
     valid = _dataset_file(session, owner, req.validation_file, "validation_file", ("jsonl", "zip"))
     images = _dataset_file(session, owner, req.images_file, "images_file", ("zip",))

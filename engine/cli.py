@@ -1,7 +1,7 @@
 """Run a fine-tune without the server: ``python -m engine.cli train config.yaml``.
 
-The YAML holds JobSpec's fields (engine/spec.py); ``lora`` and ``memory`` are
-mappings of LoraSpec's and MemorySpec's. For example:
+The YAML holds JobSpec's fields (engine/spec.py); ``lora``, ``memory`` and
+``parallel`` are mappings of LoraSpec's, MemorySpec's and ParallelSpec's. For example:
 
     model: kiln-tiny
     training_file: data/sample/train.jsonl
@@ -10,6 +10,7 @@ mappings of LoraSpec's and MemorySpec's. For example:
     n_epochs: 3
     lora: {rank: 8, alpha: 16}
     memory: {recompute: selective, tier: host}   # Swap Core; see engine/memory/swap_core.py
+    parallel: {nproc: 2, ep_size: 2}             # torchrun: 2 processes, experts split 2 ways
 
 Checkpoints, the adapter and the base models live under ``--store`` (default ./kiln-data/store).
 Ctrl-C stops after the current step; ``--resume`` continues from the job's last checkpoint.
@@ -27,7 +28,7 @@ import yaml
 
 import engine
 from engine.memory import check_spec
-from engine.spec import JobSpec, LoraSpec, MemorySpec
+from engine.spec import JobSpec, LoraSpec, MemorySpec, ParallelSpec, check_parallel
 from kiln.dataset import DatasetError
 from kiln.store import LocalStore
 
@@ -79,13 +80,14 @@ def load_spec(path: Path, job_id: str | None) -> JobSpec:
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     parts = {}
-    for name, cls in (("lora", LoraSpec), ("memory", MemorySpec)):
+    for name, cls in (("lora", LoraSpec), ("memory", MemorySpec), ("parallel", ParallelSpec)):
         part = raw.pop(name, None) or {}
         unknown = sorted(set(part) - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"{path}: unknown {name} field(s) {', '.join(unknown)}")
         parts[name] = cls(**part)
     check_spec(parts["memory"])
+    check_parallel(parts["parallel"])
     base = path.parent
     for key in ("training_file", "validation_file", "images_file"):  # relative to the config file
         if raw.get(key):

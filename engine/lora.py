@@ -128,17 +128,23 @@ def _expert_keys(experts_path: str, names: list[str], i: int) -> str:
     return f"{PEFT_PREFIX}{experts_path}" + ".base_layer" * (len(names) - 1 - i)
 
 
-def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter tensors under PEFT's key names."""
+def lora_state(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter tensors under PEFT's key names. ``tensors``: the factors by parameter name, when
+    the module's own are shards (a parallel run gathers them first)."""
+    own = dict(model.named_parameters())
+
+    def get(name: str) -> torch.Tensor:
+        return (tensors[name] if tensors is not None else own[name]).detach()
+
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = module.lora_A.weight.detach().contiguous().cpu()
-            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = module.lora_B.weight.detach().contiguous().cpu()
+            out[f"{PEFT_PREFIX}{name}.lora_A.weight"] = get(f"{name}.lora_A.weight").contiguous().cpu()
+            out[f"{PEFT_PREFIX}{name}.lora_B.weight"] = get(f"{name}.lora_B.weight").contiguous().cpu()
         elif isinstance(module, ExpertsLoRA):
             path = name.removesuffix(".lora")
             for i, p in enumerate(module.names):
-                A, B = getattr(module, f"{p}_A").detach(), getattr(module, f"{p}_B").detach()
+                A, B = get(f"{name}.{p}_A"), get(f"{name}.{p}_B")
                 E, r, inp = A.shape
                 key = _expert_keys(path, module.names, i)
                 out[f"{key}.lora_A.weight"] = A.reshape(E * r, inp).contiguous().cpu()
@@ -171,9 +177,10 @@ def load_lora_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"adapter lacks {sorted(expected - seen)[:5]}")
 
 
-def save_adapter(model: nn.Module, spec: LoraSpec, base_model: str, folder: Path) -> None:
+def save_adapter(model: nn.Module, spec: LoraSpec, base_model: str, folder: Path,
+                 tensors: dict[str, torch.Tensor] | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(lora_state(model), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(lora_state(model, tensors), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,

@@ -38,6 +38,22 @@ class MemorySpec:
 
 
 @dataclass
+class ParallelSpec:
+    """Processes on this node (one per GPU; gloo on a CPU machine) and how many ways the experts
+    are split (``ep_size`` divides ``nproc`` and the expert count). 1: one process, as always."""
+    nproc: int = 1
+    ep_size: int = 1
+
+
+def check_parallel(p: ParallelSpec) -> None:
+    """ValueError naming the field, for settings that cannot run."""
+    if not isinstance(p.nproc, int) or p.nproc < 1:
+        raise ValueError(f"parallel.nproc must be a positive integer, got {p.nproc!r}")
+    if not isinstance(p.ep_size, int) or p.ep_size < 1 or p.nproc % p.ep_size:
+        raise ValueError(f"parallel.ep_size must be a positive divisor of parallel.nproc ({p.nproc}), got {p.ep_size!r}")
+
+
+@dataclass
 class JobSpec:
     job_id: str
     model: str  # base model name; its weights are in store.model_dir(model)
@@ -61,6 +77,7 @@ class JobSpec:
     moe_bias_rate: float = 1e-3  # full training: aux-loss-free router balancing step (K3: ~1e-3)
     lora: LoraSpec = field(default_factory=LoraSpec)
     memory: MemorySpec = field(default_factory=MemorySpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
     resume_from: str | None = None  # store key of a checkpoint folder
 
     def to_json(self) -> str:
@@ -71,6 +88,7 @@ class JobSpec:
         d = json.loads(text)
         d["lora"] = LoraSpec(**d.get("lora", {}))
         d["memory"] = MemorySpec(**d.get("memory", {}))
+        d["parallel"] = ParallelSpec(**d.get("parallel", {}))
         return cls(**d)
 
     @property

@@ -11,6 +11,7 @@ import resource
 import tempfile
 import time
 import zipfile
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,37 +86,64 @@ def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device) -> tup
     return loss, n, right
 
 
+def _share(items: list, mesh, parts: int | None = None, size: int | None = None) -> list[list]:
+    """This rank's share of ``items`` (rank r takes items r, r + world, ...) cut into ``parts``
+    contiguous lists, or lists of ``size``. Every rank gets as many lists (an empty one stands
+    for nothing: collectives need every rank in every forward)."""
+    world, rank = (mesh.world, mesh.rank) if mesh is not None else (1, 0)
+    mine, per = items[rank::world], math.ceil(len(items) / world)
+    size = size or max(1, math.ceil(per / parts))
+    return [mine[i * size:(i + 1) * size] for i in range(math.ceil(per / size))]
+
+
+def _sum(mesh, *values: float) -> list[float]:
+    """Sum numbers over all ranks (the values themselves in a single process)."""
+    if mesh is None:
+        return list(values)
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=mesh.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, data: Dataset, indices: list[int], bs: int, pad: int, pack_to: int | None,
-             device: torch.device) -> dict:
+             device: torch.device, mesh=None) -> dict:
     was = model.training
     model.eval()
     total, n, right = 0.0, 0, 0
-    for i in range(0, len(indices), bs):
-        batch = collate([data[j] for j in indices[i:i + bs]], pad, pack_to)
+    for part in _share(indices, mesh, size=bs):
+        batch = collate([data[j] for j in part or indices[:1]], pad, pack_to)  # a stand-in keeps the ranks in step
         loss, k, r = batch_loss(model, batch, device)
-        total, n, right = total + float(loss) * k, n + k, right + r
+        if part:
+            total, n, right = total + float(loss) * k, n + k, right + r
+    total, n, right = _sum(mesh, total, n, right)
     model.train(was)
     return {"valid_loss": total / max(n, 1), "valid_mean_token_accuracy": right / max(n, 1)}
 
 
-def _accumulate(model, samples, micro: int, pad: int, pack_to: int | None, device) -> tuple[torch.Tensor, int, int, int, int]:
-    """Forward and backward the step's examples in ``micro`` parts, each weighted by its share
-    of the step's target tokens: the gradient equals the whole batch's. Returns (loss, targets,
-    right, tokens, rows) for the step."""
+def _accumulate(model, samples, micro: int, pad: int, pack_to: int | None, device, mesh=None
+                ) -> tuple[torch.Tensor, int, int, int, int]:
+    """Forward and backward this rank's share of the step's examples in ``micro`` parts, each
+    weighted by its share of the target tokens of the whole step (on all ranks): the gradients,
+    summed over the ranks, equal the whole batch's. Returns (loss, targets, right, tokens, rows)
+    for the step, over all ranks."""
     total = sum(s.targets for s in samples) or 1
-    size = math.ceil(len(samples) / micro)
     loss_sum, n_sum, right_sum, seen, rows = 0.0, 0, 0, 0, 0
-    for i in range(0, len(samples), size):
-        batch = collate(samples[i:i + size], pad, pack_to)
+    for part in _share(samples, mesh, parts=micro):
+        batch = collate(part or samples[:1], pad, pack_to)  # a stand-in, weighted 0, keeps the ranks in step
         loss, n, right = batch_loss(model, batch, device)
         extra = model.indexer_loss() if hasattr(model, "indexer_loss") and model.training else None
-        ((loss + extra if extra is not None else loss) * (n / total)).backward()  # DSA indexers learn by KL
-        loss_sum += float(loss.detach()) * n
-        n_sum, right_sum = n_sum + n, right_sum + right
-        seen += int((batch["input_ids_BT"] != pad).sum())
-        rows += batch["input_ids_BT"].shape[0]
-    return torch.tensor(loss_sum / max(n_sum, 1)), n_sum, right_sum, seen, rows
+        weight = n / total if part else 0.0
+        ((loss + extra if extra is not None else loss) * weight).backward()  # DSA indexers learn by KL
+        if part:
+            loss_sum += float(loss.detach()) * n
+            n_sum, right_sum = n_sum + n, right_sum + right
+            seen += int((batch["input_ids_BT"] != pad).sum())
+            rows += batch["input_ids_BT"].shape[0]
+    loss_sum, n_sum, right_sum, seen, rows = _sum(mesh, loss_sum, n_sum, right_sum, seen, rows)
+    return torch.tensor(loss_sum / max(n_sum, 1)), int(n_sum), int(right_sum), int(seen), int(rows)
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -124,17 +152,100 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _save_checkpoint(store: Store, key: str, model, spec: JobSpec, opt, sched, step: int, tokens: int) -> None:
+def _save_checkpoint(store: Store, key: str, model, spec: JobSpec, opt, sched, step: int, tokens: int, mesh=None) -> None:
+    if mesh is not None:
+        return _save_sharded(store, key, model, spec, opt, sched, step, tokens, mesh)
     with store.publish_dir(key) as folder:
         if spec.training == "full":
             save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
                       str(folder / "model_state.safetensors"))
         else:
             save_adapter(model, spec.lora, spec.model, folder)
-        torch.save({"step": step, "tokens": tokens, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "rng": torch.get_rng_state(),  # dropout on a GPU draws from the CUDA generators
-                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   folder / "trainer_state.pt")
+        torch.save(_trainer_state(step, tokens, sched, opt), folder / "trainer_state.pt")
+
+
+def _trainer_state(step: int, tokens: int, sched, opt=None) -> dict:
+    return {"step": step, "tokens": tokens, "scheduler": sched.state_dict(),
+            **({"optimizer": opt.state_dict()} if opt is not None else {}),
+            "rng": torch.get_rng_state(),  # dropout on a GPU draws from the CUDA generators
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _save_sharded(store: Store, key: str, model, spec: JobSpec, opt, sched, step: int, tokens: int, mesh) -> None:
+    """A parallel run's checkpoint: every rank writes its shards of the trained weights and of
+    AdamW's state into ``dcp/`` (loadable on any world size), rank 0 the adapter in PEFT's
+    layout (gathered), the scheduler and its RNG state; each rank its own RNG state."""
+    import torch.distributed as dist
+
+    from engine.checkpoint import dcp
+    from engine.parallel.fsdp import full_tensors
+
+    full = spec.training == "full"
+    names = None if full else {n for n, p in model.named_parameters() if p.requires_grad}
+    with store.publish_dir(key) if mesh.rank == 0 else _nothing() as folder:
+        box = [str(folder) if folder else None]
+        dist.broadcast_object_list(box, src=0)
+        folder = Path(box[0])
+        dcp.save(folder / "dcp", model, mesh, opt, everything=full)
+        gathered = full_tensors(model, mesh, names) if not full else None
+        torch.save({"rng": torch.get_rng_state()}, folder / f"rng-{mesh.rank}.pt")
+        if mesh.rank == 0:
+            if not full:
+                save_adapter(model, spec.lora, spec.model, folder, gathered)
+            torch.save({**_trainer_state(step, tokens, sched), "lr": [g["lr"] for g in opt.param_groups]},
+                       folder / "trainer_state.pt")
+        dist.barrier()  # every shard is on disk before rank 0 publishes the folder
+
+
+@contextmanager
+def _nothing():
+    yield None
+
+
+def _resume(spec: JobSpec, store: Store, model, opt, sched, mesh) -> tuple[int, int]:
+    """Load a checkpoint into the model, the optimizer and the scheduler: a sharded one (``dcp/``,
+    written by a parallel run of any size) or a single process's. Returns (step, tokens)."""
+    folder = store.path(spec.resume_from)
+    state = torch.load(folder / "trainer_state.pt", weights_only=False)
+    if (folder / "dcp").exists():
+        from engine.checkpoint import dcp
+
+        dcp.load(folder / "dcp", model, mesh, opt, everything=spec.training == "full")
+        for g, lr in zip(opt.param_groups, state["lr"]):
+            g["lr"] = lr
+        rank = mesh.rank if mesh is not None else 0
+        rng = folder / f"rng-{rank}.pt"
+        torch.set_rng_state(torch.load(rng)["rng"] if rng.exists() else state["rng"])
+    elif mesh is not None:
+        raise ValueError(f"{spec.resume_from} was written by a single process; resume it with parallel.nproc 1")
+    else:
+        if spec.training == "full":
+            model.load_state_dict(load_file(str(folder / "model_state.safetensors")))
+        else:
+            load_adapter(model, folder)
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+    sched.load_state_dict(state["scheduler"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available() and mesh is None:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    return state["step"], state["tokens"]
+
+
+def _gathered_model(model, model_dir: Path, mesh):
+    """The trained model whole: itself in one process; in a parallel run a fresh copy on rank 0
+    filled with the gathered weights (every rank takes part; the others get None)."""
+    if mesh is None:
+        return model
+    from engine.parallel.fsdp import full_tensors
+
+    weights = full_tensors(model, mesh)
+    if mesh.rank != 0:
+        return None
+    whole = load_base(model_dir)
+    keys = set(whole.state_dict())
+    buffers = {n: b.detach().cpu() for n, b in model.named_buffers() if n in keys}
+    whole.load_state_dict({**weights, **buffers}, strict=True)
+    return whole
 
 
 def _model_card(spec: JobSpec, hp: Resolved, metrics: dict) -> str:
@@ -152,13 +263,26 @@ def _close(*datasets: Dataset) -> None:
         d.close()
 
 
-def train(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
+def train(spec: JobSpec, store: Store, reporter: Reporter, mesh=None) -> TrainResult:
+    """Train as ``spec`` says. With ``mesh`` (engine.parallel.mesh.Mesh, under torchrun) every rank
+    calls this; only rank 0's reporter is heard, and rank 0's answer to ``should_stop`` holds for all."""
     with tempfile.TemporaryDirectory(prefix="kiln-job-") as work:
-        return _train(spec, store, reporter, Path(work))
+        return _train(spec, store, reporter, Path(work), mesh)
 
 
-def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> TrainResult:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def _stop_reason(reporter: Reporter, mesh) -> str | None:
+    reason = reporter.should_stop()
+    if mesh is None:
+        return reason
+    import torch.distributed as dist
+
+    box = [reason]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path, mesh=None) -> TrainResult:
+    device = mesh.device if mesh is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_dir = store.model_dir(spec.model)
     ensure_builtin(spec.model, model_dir)
     if not (model_dir / "config.json").exists():
@@ -189,15 +313,23 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
             p.requires_grad_(True)
     else:
         apply_lora(model, spec.lora)
-    model.to(device).train()
+    model.train()
     swap = apply_swap_core(model, spec.memory)
+    total_params = sum(p.numel() for p in model.parameters())  # counted whole, before any sharding
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if mesh is not None:
+        from engine.parallel.fsdp import clip_grad_norm, parallelize, sync_router_load
+
+        parallelize(model, mesh)
+        reporter.message(f"Parallel: {mesh.world} processes, FSDP2 over all, experts split {mesh.ep} ways",
+                         data={"world_size": mesh.world, "ep_size": mesh.ep})
+    else:
+        model.to(device)
     if swap is not None:
         m = spec.memory
         reporter.message(f"Recompute: {m.recompute}" + (f", keeping {', '.join(m.cache_ops)} outputs on the {m.tier} tier"
                          + (f" as {m.quantize}" if m.quantize != "none" else "") if m.recompute == "selective" else ""), data=asdict(m))
-    total_params = sum(p.numel() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
-    n_train = sum(p.numel() for p in trainable)
     tokens_per_epoch = sum(train_set.lengths[i] for i in train_idx)
     if isinstance(cfg, ModelConfig):  # the hybrid family counts from its config: active parameters too
         counts = count_parameters(cfg)
@@ -206,7 +338,7 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
     reporter.message(f"Model {spec.model}: {total_params:,} parameters, LoRA trains {n_train:,} "
                      f"({100 * n_train / total_params:.2f}%); {len(train_idx)} training examples "
                      f"({tokens_per_epoch:,} tokens), {len(valid_idx)} validation examples, {hp.total_steps} steps "
-                     f"on {device.type}" + (f", packed into rows of {pack_to} tokens" if pack_to else ""),
+                     f"on {device.type}" + (f" x {mesh.world}" if mesh is not None else "") + (f", packed into rows of {pack_to} tokens" if pack_to else ""),
                      data={"total_parameters": total_params, "trainable_parameters": n_train,
                            "tokens_per_epoch": tokens_per_epoch})
     reporter.resolved(hp.public())
@@ -215,24 +347,13 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(hp.warmup_steps, hp.total_steps))
     step, tokens = 0, 0
     if spec.resume_from:
-        folder = store.path(spec.resume_from)
-        if spec.training == "full":
-            model.load_state_dict(load_file(str(folder / "model_state.safetensors")))
-        else:
-            load_adapter(model, folder)
-        state = torch.load(folder / "trainer_state.pt", weights_only=False)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        if state.get("cuda_rng") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        step, tokens = state["step"], state["tokens"]
+        step, tokens = _resume(spec, store, model, opt, sched, mesh)
         reporter.message(f"Resumed from the checkpoint at step {step}", data={"step": step})
 
     pad, metrics, skipped = tpl.pad_id, {}, 0
     order: tuple[int, list[list[int]]] = (-1, [])
     while step < hp.total_steps:
-        reason = reporter.should_stop()
+        reason = _stop_reason(reporter, mesh)
         if reason:
             _close(train_set, valid_set)
             return TrainResult("stopped", trained_tokens=tokens, stop_reason=reason, final_metrics=metrics)
@@ -242,8 +363,9 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
             order = (epoch, epoch_batches(train_set.lengths, train_idx, hp.batch_size, spec.seed, epoch,
                                           spec.group_by_length))
         samples = [train_set[i] for i in order[1][index]]
-        loss, n, right, seen, rows = _accumulate(model, samples, spec.gradient_accumulation_steps, pad, pack_to, device)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        loss, n, right, seen, rows = _accumulate(model, samples, spec.gradient_accumulation_steps, pad, pack_to, device,
+                                                 mesh)
+        grad_norm = clip_grad_norm(trainable, 1.0) if mesh is not None else torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         if torch.isfinite(grad_norm):
             opt.step()
         else:  # seen on the H200 in bf16: a finite loss, an overflowed backward; one bad step must not poison the weights
@@ -251,6 +373,8 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
             reporter.message(f"Step {step + 1}: the gradient is not finite; the update was skipped "
                              f"({skipped} so far)", level="warn", data={"step": step + 1, "skipped_steps": skipped})
         if spec.training == "full":  # the base model itself learns: its routers rebalance too
+            if mesh is not None:
+                sync_router_load(model)
             for m in model.modules():
                 if isinstance(m, Router):
                     m.update_bias(spec.moe_bias_rate)
@@ -268,20 +392,24 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path) -> Train
             swap.reset_peaks()
         is_ckpt = step % hp.checkpoint_interval == 0 or step == hp.total_steps
         if is_ckpt and valid_idx:
-            metrics.update(evaluate(model, valid_set, valid_idx, hp.batch_size, pad, pack_to, device))
+            metrics.update(evaluate(model, valid_set, valid_idx, hp.batch_size, pad, pack_to, device, mesh))
         reporter.metrics(step, metrics)
         if is_ckpt:
             key = f"{spec.artifacts}/checkpoints/step-{step:07d}"
-            _save_checkpoint(store, key, model, spec, opt, sched, step, tokens)
+            _save_checkpoint(store, key, model, spec, opt, sched, step, tokens, mesh)
             reporter.checkpoint(step, key, {k: v for k, v in metrics.items() if "loss" in k or "accuracy" in k})
 
     _close(train_set, valid_set)
     if spec.training == "full":
         key = f"{spec.artifacts}/model"
-        with store.publish_dir(key) as folder:
-            save_base(model, folder)
+        whole = _gathered_model(model, model_dir, mesh)
+        if whole is not None:
+            with store.publish_dir(key) as folder:
+                save_base(whole, folder)
         return TrainResult("succeeded", adapter_key=key, trained_tokens=tokens, final_metrics=metrics)
     adapter_key = f"{spec.artifacts}/adapter.zip"
+    if mesh is not None and mesh.rank != 0:
+        return TrainResult("succeeded", adapter_key=adapter_key, trained_tokens=tokens, final_metrics=metrics)
     final = store.path(f"{spec.artifacts}/checkpoints/step-{step:07d}")
     with store.publish_file(adapter_key) as path:
         with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:

@@ -17,7 +17,7 @@ from api.db import session_scope
 from api.deps import get_store
 from api.models import Checkpoint, File, Job, JobEvent, now
 from api.settings import get_settings
-from engine.spec import JobSpec, LoraSpec, MemorySpec
+from engine.spec import JobSpec, LoraSpec, MemorySpec, ParallelSpec
 from kiln.dataset import DatasetError
 from workers.reporting import DBReporter
 
@@ -67,7 +67,8 @@ def build_spec(job: Job) -> JobSpec:
             max_seq_len=hp.get("max_seq_len"), warmup_ratio=hp.get("warmup_ratio", 0.05), seed=job.seed,
             gradient_accumulation_steps=hp.get("gradient_accumulation_steps", 1), packing=hp.get("packing", True), group_by_length=hp.get("group_by_length", False),
             validation_split=0.0 if job.validation_file else hp.get("validation_split", 0.0),
-            lora=LoraSpec(**job.lora), memory=MemorySpec(**hp.get("memory", {})), resume_from=last.store_key if last else None)
+            lora=LoraSpec(**job.lora), memory=MemorySpec(**hp.get("memory", {})),
+            parallel=ParallelSpec(**hp.get("parallel", {})), resume_from=last.store_key if last else None)
 
 
 class Heartbeat(threading.Thread):

@@ -24,7 +24,7 @@ def _params(model: nn.Module, everything: bool) -> dict[str, nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if everything or p.requires_grad}
 
 
-def _state(model: nn.Module, mesh: Mesh, opt: torch.optim.Optimizer | None, everything: bool) -> dict:
+def _state(model: nn.Module, mesh: Mesh | None, opt: torch.optim.Optimizer | None, everything: bool) -> dict:
     params = _params(model, everything)
     state = {"model": global_view(model, mesh, params)}
     if everything:  # the routers' balancing biases too (whole on every rank)
@@ -41,13 +41,13 @@ def _state(model: nn.Module, mesh: Mesh, opt: torch.optim.Optimizer | None, ever
     return state
 
 
-def save(folder: Path, model: nn.Module, mesh: Mesh, opt: torch.optim.Optimizer | None = None,
+def save(folder: Path, model: nn.Module, mesh: Mesh | None, opt: torch.optim.Optimizer | None = None,
          everything: bool = False) -> None:
     """Collective: every rank calls it with the same folder (a file system all ranks see)."""
     dcp.save(_state(model, mesh, opt, everything), checkpoint_id=str(folder))
 
 
-def load(folder: Path, model: nn.Module, mesh: Mesh, opt: torch.optim.Optimizer | None = None,
+def load(folder: Path, model: nn.Module, mesh: Mesh | None, opt: torch.optim.Optimizer | None = None,
          everything: bool = False) -> None:
     """Read a checkpoint written by ``save`` on any world size and EP size into this rank's
     shards, in place."""

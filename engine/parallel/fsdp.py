@@ -63,12 +63,12 @@ def _expert_params(model: nn.Module) -> dict[str, int]:
     return out
 
 
-def global_view(model: nn.Module, mesh: Mesh, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def global_view(model: nn.Module, mesh: Mesh | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` (named like the model's parameters: the parameters themselves, or their
     optimizer states) with each shard labelled by its place in the full tensor. Non-expert
     shards already are (FSDP's DTensors over all ranks); an expert shard is FSDP's piece of this
     EP rank's slice, so it becomes a DTensor over the (ep, edp) mesh, sharded on the experts twice."""
-    experts = _expert_params(model) if mesh.ep > 1 else {}
+    experts = _expert_params(model) if mesh is not None and mesh.ep > 1 else {}
     out = {}
     for name, t in tensors.items():
         E = experts.get(name)

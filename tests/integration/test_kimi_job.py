@@ -12,18 +12,24 @@ from tests.conftest import all_events, finished
 
 
 def test_kimi_linear_tiny_job(pg_stack, sample):
+    """On two processes (the worker starts torchrun; gloo here), the experts split two ways."""
     text = "\n".join(l for l in (sample / "train.jsonl").read_text().splitlines() if '"images"' not in l)
     with pg_stack.client() as c:
         f = c.post("/v1/files", files={"file": ("text.jsonl", text.encode())}, data={"purpose": "fine-tune"}).json()
         job = c.post("/v1/fine_tuning/jobs", json={
             "model": "kimi-linear-tiny", "training_file": f["id"], "seed": 1,
-            "hyperparameters": {"n_epochs": 1, "batch_size": 8, "learning_rate_multiplier": 2},
+            "hyperparameters": {"n_epochs": 1, "batch_size": 8, "learning_rate_multiplier": 2,
+                                "parallel": {"nproc": 2, "ep_size": 2}},
             "lora": {"rank": 4, "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}).json()
         done = finished(c, job["id"], timeout=300)
         assert done["status"] == "succeeded", done["error"]
         losses = [e["data"]["train_loss"] for e in sorted(all_events(c, job["id"]), key=lambda e: e["created_at"])
                   if e["type"] == "metrics"]
         assert len(losses) == 12 and sum(losses[-3:]) / 3 < losses[0]
+        messages = [e["message"] for e in all_events(c, job["id"])]
+        assert "Parallel: 2 processes, FSDP2 over all, experts split 2 ways" in messages
+        ckpts = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
+        assert ckpts and all(k["metrics"]["step"] > 0 for k in ckpts)
         r = c.get(f"/v1/fine_tuning/jobs/{job['id']}/adapter")
     zf = zipfile.ZipFile(io.BytesIO(r.content))
     cfg = json.loads(zf.read("adapter_config.json"))

@@ -1,16 +1,25 @@
 """FSDP2 + expert parallel on the CPU (gloo), launched by torchrun as a real run is: the sharded
-step's loss and gradients equal one process computing the same step, and a DCP checkpoint
-written on one layout loads on another (world size and EP size both change)."""
+step's loss and gradients equal one process computing the same step; a DCP checkpoint written
+on one layout loads on another (world size and EP size both change); a whole job through
+``engine.train`` on two processes trains as one process does, stops when asked, and resumes
+on one process from its sharded checkpoint."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load
 
+import engine
+from engine.reporting import RecordingReporter
+from engine.spec import JobSpec, LoraSpec, MemorySpec, ParallelSpec
+from kiln.dataset import DatasetError
+from kiln.store import LocalStore
 from tests.parallel_worker import ROWS, build, n_targets, step_loss
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,3 +71,57 @@ def test_dcp_checkpoint_loads_on_other_world_and_ep_sizes(tmp_path):
             assert set(got[part]) == set(want[part])
             for n in want[part]:
                 assert torch.equal(got[part][n], want[part][n]), (world, ep, part, n)
+
+
+SAMPLE = ROOT / "data" / "sample"
+
+
+def job(**kw) -> JobSpec:
+    base = dict(job_id="ftjob-par", model="kiln-hybrid-tiny", training_file=str(SAMPLE / "train.jsonl"),
+                validation_file=str(SAMPLE / "validation.jsonl"), images_file=str(SAMPLE / "images.zip"),
+                n_epochs=1, batch_size=4, seed=3, max_steps=4, checkpoint_interval=2,
+                lora=LoraSpec(rank=4, alpha=8, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    return JobSpec(**{**base, **kw})
+
+
+def adapter(store: LocalStore, key: str) -> dict[str, torch.Tensor]:
+    with zipfile.ZipFile(store.path(key)) as zf:
+        return load(zf.read("adapter_model.safetensors"))
+
+
+def test_a_job_on_two_processes_trains_as_one_and_resumes_on_one(tmp_path):
+    one, two = RecordingReporter(), RecordingReporter()
+    first = engine.train(job(), LocalStore(tmp_path / "one"), one)
+    store = LocalStore(tmp_path / "two")
+    swap = MemorySpec(recompute="selective", tier="host")  # Swap Core's recompute inside FSDP2 units too
+    second = engine.train(job(parallel=ParallelSpec(nproc=2, ep_size=2), memory=swap), store, two)
+    assert second.status == "succeeded" and "Parallel: 2 processes, FSDP2 over all, experts split 2 ways" in two.messages
+    assert two.steps[4]["swap_host_mb"] > 0
+    assert two.losses == pytest.approx(one.losses, rel=1e-5)
+    assert two.steps[4]["valid_loss"] == pytest.approx(one.steps[4]["valid_loss"], rel=1e-5)
+    assert two.steps[4]["trained_tokens"] == one.steps[4]["trained_tokens"]
+    a, b = adapter(LocalStore(tmp_path / "one"), first.adapter_key), adapter(store, second.adapter_key)
+    assert set(a) == set(b) and any("experts" in k for k in a)
+    for k in a:  # the gathered adapter has every expert, in PEFT's layout
+        assert a[k].shape == b[k].shape and rel(b[k], a[k]) < 1e-4, k
+
+    # stopped on two processes after step 2 (checkpoint at 2), resumed on one from the sharded checkpoint
+    store = LocalStore(tmp_path / "three")
+    stopped = engine.train(job(parallel=ParallelSpec(nproc=2, ep_size=2)), store, RecordingReporter(stop_after=2))
+    assert stopped.status == "stopped" and stopped.stop_reason == "cancel"
+    ckpt = store.path("jobs/ftjob-par/checkpoints/step-0000002")
+    assert (ckpt / "dcp").is_dir() and (ckpt / "adapter_model.safetensors").exists()
+    resumed = RecordingReporter()
+    engine.train(job(resume_from="jobs/ftjob-par/checkpoints/step-0000002"), store, resumed)
+    assert sorted(resumed.losses) == [3, 4]
+    assert resumed.losses == pytest.approx({s: one.losses[s] for s in (3, 4)}, rel=1e-5)
+
+
+def test_a_bad_dataset_on_two_processes_names_line_and_field(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                   '{"messages": [{"role": "wizard", "content": "x"}]}\n')
+    with pytest.raises(DatasetError) as e:
+        engine.train(job(training_file=str(bad), validation_file=None, parallel=ParallelSpec(nproc=2)),
+                     LocalStore(tmp_path / "s"), RecordingReporter())
+    assert e.value.issues and e.value.issues[0].line == 2 and "role" in e.value.issues[0].field

@@ -1,0 +1,149 @@
+"""A job on several processes: ``engine.train`` calls ``run`` when ``spec.parallel.nproc`` > 1.
+
+``run`` starts torchrun (one node, ``nproc`` processes: one per GPU, or gloo on the CPU) with
+this module as the program, and stays in the caller's process as the go-between: rank 0 writes
+its reporter calls as JSON lines into ``events.jsonl``, which ``run`` replays into the caller's
+reporter as they come; when the caller's reporter says stop, ``run`` writes the reason into
+``stop``, which rank 0 reads at the next step boundary and tells the others. Rank 0 ends with a
+``result`` line (the TrainResult) or an ``error`` line (the exception's type and message, raised
+again here: a dataset error stays a dataset error).
+
+On several nodes, start the same program with torchrun on each node (``--nnodes``,
+``--rdzv-endpoint``) and a store folder every node sees; see README, "Multi-GPU and multi-node".
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from engine.spec import JobSpec, Reporter, Store, TrainResult
+
+POLL_S = 0.2
+
+
+class FileReporter:
+    """Rank 0's reporter: every call a JSON line; ``should_stop`` reads the stop file."""
+
+    def __init__(self, events: Path, stop: Path):
+        self.events, self.stop = events.open("a", buffering=1), stop
+
+    def _write(self, kind: str, **fields: Any) -> None:
+        self.events.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
+
+    def message(self, text: str, level: str = "info", data: dict | None = None) -> None:
+        self._write("message", text=text, level=level, data=data)
+
+    def metrics(self, step: int, values: dict) -> None:
+        self._write("metrics", step=step, values=values)
+
+    def checkpoint(self, step: int, key: str, metrics: dict) -> None:
+        self._write("checkpoint", step=step, key=key, metrics=metrics)
+
+    def resolved(self, hyperparameters: dict) -> None:
+        self._write("resolved", hyperparameters=hyperparameters)
+
+    def should_stop(self) -> str | None:
+        return self.stop.read_text().strip() or None if self.stop.exists() else None
+
+
+class SilentReporter:
+    """The other ranks': they train, rank 0 speaks."""
+
+    def message(self, text, level="info", data=None): ...
+    def metrics(self, step, values): ...
+    def checkpoint(self, step, key, metrics): ...
+    def resolved(self, hyperparameters): ...
+    def should_stop(self):
+        return None
+
+
+def _replay(line: str, reporter: Reporter) -> dict | None:
+    """Hand one event to the caller's reporter; return it if it ends the run."""
+    e = json.loads(line)
+    kind = e.pop("kind")
+    if kind in ("result", "error"):
+        return {"kind": kind, **e}
+    getattr(reporter, kind)(**e)
+    return None
+
+
+def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
+    root = getattr(store, "root", None)
+    if root is None:
+        raise ValueError("a parallel job needs a store in a folder (kiln.store.LocalStore)")
+    with tempfile.TemporaryDirectory(prefix="kiln-launch-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "spec.json").write_text(spec.to_json())
+        events, stop, log = tmp / "events.jsonl", tmp / "stop", tmp / "torchrun.log"
+        events.touch()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.parallel.nproc}",
+               "-m", "engine.parallel.launch", str(tmp / "spec.json"), str(root), str(events), str(stop)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                             os.environ.get("PYTHONPATH", "")])}
+        end = None
+        with log.open("w") as out, events.open() as feed:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            try:
+                while True:
+                    done = proc.poll() is not None
+                    for line in feed.readlines():
+                        end = _replay(line, reporter) or end
+                    if done:
+                        break
+                    reason = reporter.should_stop()
+                    if reason and not stop.exists():
+                        stop.write_text(reason)
+                    time.sleep(POLL_S)
+            finally:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(30)
+        if end is not None and end["kind"] == "error":
+            raise _error(end)
+        if proc.returncode != 0 or end is None:
+            tail = log.read_text()[-4000:]
+            raise RuntimeError(f"the parallel run failed (exit code {proc.returncode}):\n{tail}")
+        return TrainResult(**end["result"])
+
+
+def _error(e: dict) -> Exception:
+    if e.get("issues") is not None:
+        from kiln.dataset import DatasetError, Issue
+
+        return DatasetError([Issue(**i) for i in e["issues"]])
+    return {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(e["type"], RuntimeError)(e["message"])
+
+
+def main(argv: list[str]) -> int:
+    """One rank, under torchrun: spec.json, the store folder, the events file, the stop file."""
+    import torch.distributed as dist
+
+    from engine.parallel.mesh import init_mesh
+    from engine.trainer import train
+    from kiln.store import LocalStore
+
+    spec = JobSpec.from_json(Path(argv[0]).read_text())
+    mesh = init_mesh(spec.parallel.ep_size)
+    reporter = FileReporter(Path(argv[2]), Path(argv[3])) if mesh.rank == 0 else SilentReporter()
+    try:
+        result = train(spec, LocalStore(Path(argv[1])), reporter, mesh)
+    except Exception as e:
+        if mesh.rank == 0:
+            issues = [asdict(i) for i in e.issues] if hasattr(e, "issues") else None  # a DatasetError's lines and fields
+            reporter._write("error", type=type(e).__name__, message=str(e), issues=issues)
+        raise
+    if mesh.rank == 0:
+        reporter._write("result", result=asdict(result))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
