@@ -139,6 +139,25 @@ def save_base(model: nn.Module, folder: Path) -> None:
         raise ValueError(f"no on-disk format for {type(model).__name__}")
 
 
+def build_meta(folder: Path) -> nn.Module:
+    """The model a folder's config.json describes, on the meta device (no memory, no weights):
+    the start of a sharded load (shard, ``to_empty``, then load only the local shards)."""
+    from engine.checkpoint.hf import deepseek_v32_config
+
+    raw = json.loads((folder / "config.json").read_text())
+    kind = raw.get("model_type")
+    with torch.device("meta"):
+        if kind == "kiln_hybrid":
+            return HybridForCausalLM(ModelConfig.from_json(json.dumps(raw["model"])), raw.get("image_token_id"))
+        if kind == "kimi_linear":
+            return KimiLinearForCausalLM(KimiLinearConfig.from_hf(raw))
+        if kind == "deepseek_v32":
+            return HybridForCausalLM(deepseek_v32_config(raw))
+        if kind == "kiln_tiny":
+            return TinyForCausalLM(TinyConfig(**{k: v for k, v in raw.items() if k in TinyConfig.__dataclass_fields__}))
+    raise ValueError(f"{folder}: model_type {kind!r} is not supported; supported: {', '.join(LOADERS)}")
+
+
 def load_base(folder: Path) -> nn.Module:
     kind = json.loads((folder / "config.json").read_text()).get("model_type")
     if kind not in LOADERS:

@@ -77,7 +77,7 @@ def main() -> None:
     from torch.distributed.tensor import DTensor
 
     from engine.checkpoint import dcp
-    from engine.parallel.fsdp import global_view, parallelize
+    from engine.parallel.fsdp import full_tensors, global_view, parallelize
     from engine.parallel.mesh import init_mesh
 
     p = argparse.ArgumentParser()
@@ -86,8 +86,20 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--save")
     p.add_argument("--load")
+    p.add_argument("--meta", help="with --load: a model folder; build its model on the meta device, shard, load")
     a = p.parse_args()
     mesh = init_mesh(a.ep)
+    if a.meta:  # the sharded load of a big model: meta init, shard, to_empty, read only the local pieces
+        from pathlib import Path
+
+        from engine.models import build_meta
+
+        model = parallelize(build_meta(Path(a.meta)), mesh).to_empty(device=mesh.device)
+        dcp.load(a.load, model, mesh, everything=True)
+        out = {"params": full_tensors(model, mesh), "buffers": {n: b.cpu() for n, b in model.named_buffers()}}
+        if mesh.rank == 0:
+            torch.save(out, a.out)
+        return dist.destroy_process_group()
     model, data = build(a.mode, seed=1 if a.load else 0)  # a load must overwrite another init
     parallelize(model, mesh)
     trainable = [q for q in model.parameters() if q.requires_grad]

@@ -45,7 +45,7 @@ def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     for name, buf in model.named_buffers():  # buffers stay whole on every rank: put them on the device
-        if buf.device != mesh.device:
+        if buf.device != mesh.device and not buf.is_meta:
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner) if owner else model, leaf, buf.to(mesh.device))
     model.parallel_mesh = mesh
