@@ -106,12 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--store", type=Path, default=Path("kiln-data/store"))
     t.add_argument("--job-id")
     t.add_argument("--resume", action="store_true", help="continue from this job's last checkpoint")
+    j = sub.add_parser("spec", help="print the job spec as JSON (for torchrun -m engine.parallel.launch)")
+    j.add_argument("config", type=Path)
+    j.add_argument("--job-id")
     args = p.parse_args(argv)
     try:
         spec = load_spec(args.config, args.job_id)
     except (ValueError, TypeError, OSError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.cmd == "spec":
+        print(spec.to_json())
+        return 0
     store = LocalStore(args.store)
     if args.resume:
         ckpts = sorted(store.path(f"{spec.artifacts}/checkpoints").glob("step-*"))

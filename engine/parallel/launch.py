@@ -8,8 +8,8 @@ reporter as they come; when the caller's reporter says stop, ``run`` writes the 
 ``result`` line (the TrainResult) or an ``error`` line (the exception's type and message, raised
 again here: a dataset error stays a dataset error).
 
-On several nodes, start the same program with torchrun on each node (``--nnodes``,
-``--rdzv-endpoint``) and a store folder every node sees; see README, "Multi-GPU and multi-node".
+On several nodes, start this module with torchrun on each node (``--nnodes``, ``--rdzv-endpoint``)
+and a store folder every node sees; see README, "Multi-GPU and multi-node".
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
         events, stop, log = tmp / "events.jsonl", tmp / "stop", tmp / "torchrun.log"
         events.touch()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.parallel.nproc}",
-               "-m", "engine.parallel.launch", str(tmp / "spec.json"), str(root), str(events), str(stop)]
+               "-m", "engine.parallel.launch", str(tmp / "spec.json"), str(root), "--events", str(events), "--stop", str(stop)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
                                                              os.environ.get("PYTHONPATH", "")])}
         end = None
@@ -122,18 +122,27 @@ def _error(e: dict) -> Exception:
 
 
 def main(argv: list[str]) -> int:
-    """One rank, under torchrun: spec.json, the store folder, the events file, the stop file."""
+    """One rank, under torchrun. ``run`` passes the events and stop files; by hand (a multi-node
+    run) they are optional: without ``--events`` rank 0 prints its reports as JSON lines."""
+    import argparse
+
     import torch.distributed as dist
 
     from engine.parallel.mesh import init_mesh
     from engine.trainer import train
     from kiln.store import LocalStore
 
-    spec = JobSpec.from_json(Path(argv[0]).read_text())
+    p = argparse.ArgumentParser(prog="torchrun ... -m engine.parallel.launch")
+    p.add_argument("spec", type=Path, help="the job spec as JSON (python -m engine.cli spec job.yaml > spec.json)")
+    p.add_argument("store", type=Path, help="the store folder, the same path on every node")
+    p.add_argument("--events", type=Path, default=Path("/dev/stdout"))
+    p.add_argument("--stop", type=Path, default=Path("stop"), help="write a reason here to stop at the next step")
+    a = p.parse_args(argv)
+    spec = JobSpec.from_json(a.spec.read_text())
     mesh = init_mesh(spec.parallel.ep_size)
-    reporter = FileReporter(Path(argv[2]), Path(argv[3])) if mesh.rank == 0 else SilentReporter()
+    reporter = FileReporter(a.events, a.stop) if mesh.rank == 0 else SilentReporter()
     try:
-        result = train(spec, LocalStore(Path(argv[1])), reporter, mesh)
+        result = train(spec, LocalStore(a.store), reporter, mesh)
     except Exception as e:
         if mesh.rank == 0:
             issues = [asdict(i) for i in e.issues] if hasattr(e, "issues") else None  # a DatasetError's lines and fields

@@ -5,6 +5,7 @@ on one layout loads on another (world size and EP size both change); a whole job
 on one process from its sharded checkpoint."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -125,3 +126,25 @@ def test_a_bad_dataset_on_two_processes_names_line_and_field(tmp_path):
         engine.train(job(training_file=str(bad), validation_file=None, parallel=ParallelSpec(nproc=2)),
                      LocalStore(tmp_path / "s"), RecordingReporter())
     assert e.value.issues and e.value.issues[0].line == 2 and "role" in e.value.issues[0].field
+
+
+def test_the_multi_node_command_runs_a_job(tmp_path):
+    """README's multi-node recipe, on one node: the spec from a YAML, torchrun with a c10d
+    rendezvous (as every node of a multi-node run starts it), reports as JSON lines."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"model: kiln-hybrid-tiny\ntraining_file: {SAMPLE / 'train.jsonl'}\nimages_file: {SAMPLE / 'images.zip'}\n"
+                   "max_steps: 2\nbatch_size: 4\nparallel: {nproc: 2, ep_size: 2}\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    spec = subprocess.run([sys.executable, "-m", "engine.cli", "spec", str(cfg)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=True).stdout
+    assert JobSpec.from_json(spec).parallel == ParallelSpec(nproc=2, ep_size=2)
+    (tmp_path / "spec.json").write_text(spec)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=127.0.0.1:0", "-m", "engine.parallel.launch", str(tmp_path / "spec.json"),
+           str(tmp_path / "store"), "--events", str(tmp_path / "events.jsonl")]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "metrics"] == [1, 2]
+    assert events[-1]["kind"] == "result" and events[-1]["result"]["status"] == "succeeded"
+    assert (tmp_path / "store" / "artifacts" / events[-1]["result"]["adapter_key"]).exists()

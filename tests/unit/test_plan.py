@@ -1,0 +1,47 @@
+"""The planner: its LoRA count is the real model's, its layout is the least-traffic one that
+fits, and it says how many GPUs a config needs when the cluster is too small."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import ModelConfig, count_parameters
+from engine.lora import apply_lora
+from engine.model.hybrid import HybridForCausalLM
+from engine.parallel.plan import TARGETS, choose, estimate, fewest_gpus, lora_parameters, main
+from engine.spec import LoraSpec
+
+
+def test_lora_count_equals_the_model_with_adapters():
+    c = ModelConfig.debug()
+    c.vision, c.layers = None, 4
+    model = HybridForCausalLM(c)
+    apply_lora(model, LoraSpec(rank=4, target_modules=list(TARGETS),
+                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == lora_parameters(c, 4)
+
+
+KW = dict(tokens=8192, rank=16, weight_bytes=2, capacity_gb=141.0)
+
+
+def test_flagship_on_512_h200s(capsys):
+    c = ModelConfig.flagship()
+    plan = choose(c, 512, **KW)
+    assert plan.fits and 896 % plan.ep == 0 and 512 % plan.ep == 0
+    assert plan.parts["weights (sharded)"] == pytest.approx(count_parameters(c)["total"] * 2 / 512)
+    others = [estimate(c, 512, e, **KW) for e in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert all(sum(plan.traffic.values()) <= sum(o.traffic.values()) for o in others if o.fits)
+    assert not estimate(c, 512, 1, **KW).fits  # one layer's 896 experts gathered whole cannot fit
+    assert main(["--gpus", "512"]) == 0
+    out = capsys.readouterr().out
+    assert f"experts split {plan.ep} ways" in out and "fits:" in out and "| **total** |" in out
+
+
+def test_too_small_a_cluster_says_how_many_gpus_fit(capsys):
+    c = ModelConfig.flagship()
+    assert main(["--gpus", "64", "--gpu-memory-gb", "80"]) == 1
+    out = capsys.readouterr().out
+    need = fewest_gpus(c, 8, **{**KW, "capacity_gb": 80.0})
+    assert "does NOT fit" in out and f"the fewest GPUs that fit: {need}" in out
+    assert choose(c, need, **{**KW, "capacity_gb": 80.0}).fits
+    assert not choose(c, need // 2, **{**KW, "capacity_gb": 80.0}).fits
+    assert main(["--gpus", "8", "--model", "nope.json"]) == 2
