@@ -26,11 +26,15 @@ from tests.parallel_worker import ROWS, build, n_targets, step_loss
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
 def torchrun(n: int, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            "-m", "tests.parallel_worker", *args]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
@@ -134,15 +138,14 @@ def test_the_multi_node_command_runs_a_job(tmp_path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(f"model: kiln-hybrid-tiny\ntraining_file: {SAMPLE / 'train.jsonl'}\nimages_file: {SAMPLE / 'images.zip'}\n"
                    "max_steps: 2\nbatch_size: 4\nparallel: {nproc: 2, ep_size: 2}\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    spec = subprocess.run([sys.executable, "-m", "engine.cli", "spec", str(cfg)], cwd=ROOT, env=env,
+    spec = subprocess.run([sys.executable, "-m", "engine.cli", "spec", str(cfg)], cwd=ROOT, env=env(),
                           capture_output=True, text=True, check=True).stdout
     assert JobSpec.from_json(spec).parallel == ParallelSpec(nproc=2, ep_size=2)
     (tmp_path / "spec.json").write_text(spec)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
            "--rdzv-endpoint=127.0.0.1:0", "-m", "engine.parallel.launch", str(tmp_path / "spec.json"),
            str(tmp_path / "store"), "--events", str(tmp_path / "events.jsonl")]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["kind"] == "metrics"] == [1, 2]
