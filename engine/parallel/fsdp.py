@@ -2,7 +2,9 @@
 
 - Each experts module is ``fully_shard``-ed over its ``edp`` ranks (its tensors are already this
   EP rank's slice), every block of every ``layers`` list over all ranks, then the root (the
-  embeddings, the head, the norms, AttnRes, the image encoder) over all ranks.
+  embeddings, the head, the norms, AttnRes, the image encoder) over all ranks. Each block
+  prefetches the next one's gather (the previous one's in the backward): communication overlaps
+  compute on backends with asynchronous collectives (NCCL streams; gloo's threads).
 - Gradients are summed, not averaged (``set_gradient_divide_factor(1)``): the trainer divides each
   rank's loss by the target tokens of the whole step on all ranks, so the sum over ranks is the
   single-process gradient whatever the split, and expert gradients, which already arrive summed
@@ -37,9 +39,13 @@ def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
     for m in model.modules():
         if isinstance(m, Experts):
             fully_shard(m, mesh=mesh.edp)
-    for b in blocks(model):
+    layers = blocks(model)
+    for b in layers:
         fully_shard(b, mesh=mesh.dp)
     fully_shard(model, mesh=mesh.dp)
+    for a, b in zip(layers, layers[1:]):  # gather the next block while this one computes, both ways: the
+        a.set_modules_to_forward_prefetch([b])  # MoE's all-to-all waits on the host for its counts, which
+        b.set_modules_to_backward_prefetch([a])  # would otherwise hold back the next gather
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)

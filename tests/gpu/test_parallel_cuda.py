@@ -4,10 +4,6 @@ checkpoint written on the GPU loads back exactly, and a job started by torchrun 
 engine.train does in one process."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -15,7 +11,7 @@ import engine
 from engine.reporting import RecordingReporter
 from kiln.store import LocalStore
 from tests.parallel_worker import ROWS, build, n_targets, step_loss
-from tests.unit.test_parallel import ROOT, env, job, rel, torchrun
+from tests.unit.test_parallel import job, launch, rel, torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -42,12 +38,7 @@ def test_a_job_under_torchrun_on_cuda_trains_as_one_process(tmp_path):
     one = RecordingReporter()
     engine.train(spec, LocalStore(tmp_path / "one"), one)
     (tmp_path / "spec.json").write_text(spec.to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "-m", "engine.parallel.launch", str(tmp_path / "spec.json"),
-           str(tmp_path / "two"), "--events", str(tmp_path / "events.jsonl")]
-    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = launch(1, tmp_path / "spec.json", tmp_path / "two", tmp_path / "events.jsonl")
     assert any("Parallel: 1 processes" in e.get("text", "") for e in events)
     losses = {e["step"]: e["values"]["train_loss"] for e in events if e["kind"] == "metrics"}
     assert losses == pytest.approx(one.losses, rel=1e-2)

@@ -122,6 +122,42 @@ def test_a_job_on_two_processes_trains_as_one_and_resumes_on_one(tmp_path):
     assert resumed.losses == pytest.approx({s: one.losses[s] for s in (3, 4)}, rel=1e-5)
 
 
+def test_fewer_examples_than_processes(tmp_path):
+    """Batch size 1 on two processes: rank 1 has nothing to train on; it runs a stand-in weighted
+    0, so the collectives stay in step and the update is the one-process update."""
+    one, two = RecordingReporter(), RecordingReporter()
+    engine.train(job(batch_size=1, max_steps=3, validation_file=None), LocalStore(tmp_path / "a"), one)
+    engine.train(job(batch_size=1, max_steps=3, validation_file=None, parallel=ParallelSpec(nproc=2, ep_size=2)),
+                 LocalStore(tmp_path / "b"), two)
+    assert two.losses == pytest.approx(one.losses, rel=1e-5)
+    assert [two.steps[s]["rows"] for s in (1, 2, 3)] == [one.steps[s]["rows"] for s in (1, 2, 3)]
+
+
+def test_full_training_on_two_processes_saves_the_whole_model(tmp_path):
+    """Every parameter trains (routers rebalance on the summed loads); rank 0 saves the gathered
+    model in the family's format, and it equals the one-process run's. Kimi Linear: the hybrid's
+    DSA indexer loss is averaged per forward, so it depends on how a step is split (README)."""
+    from engine.models import load_base
+
+    text = "\n".join(l for l in (SAMPLE / "train.jsonl").read_text().splitlines() if '"images"' not in l)
+    (tmp_path / "text.jsonl").write_text(text + "\n")
+    spec = dict(model="kimi-linear-tiny", training="full", max_steps=3, validation_file=None, images_file=None,
+                training_file=str(tmp_path / "text.jsonl"), moe_bias_rate=0.1)
+    one, two = RecordingReporter(), RecordingReporter()
+    a = engine.train(job(**spec), LocalStore(tmp_path / "a"), one)
+    b = engine.train(job(**spec, parallel=ParallelSpec(nproc=2, ep_size=2)), LocalStore(tmp_path / "b"), two)
+    assert two.losses == pytest.approx(one.losses, rel=1e-5)
+    assert [two.steps[s]["grad_norm"] for s in (1, 2, 3)] == pytest.approx([one.steps[s]["grad_norm"] for s in (1, 2, 3)], rel=1e-5)
+    ma = load_base(LocalStore(tmp_path / "a").path(a.adapter_key))
+    mb = load_base(LocalStore(tmp_path / "b").path(b.adapter_key))
+    base = load_base(LocalStore(tmp_path / "a").model_dir("kimi-linear-tiny"))
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert not torch.equal(ma.get_buffer(bias), base.get_buffer(bias))  # the routers did rebalance
+    assert torch.equal(ma.get_buffer(bias), mb.get_buffer(bias))
+    for (n, p), (_, q) in zip(ma.named_parameters(), mb.named_parameters()):
+        assert rel(q.detach(), p.detach()) < 1e-4, n
+
+
 def test_a_bad_dataset_on_two_processes_names_line_and_field(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
@@ -130,6 +166,15 @@ def test_a_bad_dataset_on_two_processes_names_line_and_field(tmp_path):
         engine.train(job(training_file=str(bad), validation_file=None, parallel=ParallelSpec(nproc=2)),
                      LocalStore(tmp_path / "s"), RecordingReporter())
     assert e.value.issues and e.value.issues[0].line == 2 and "role" in e.value.issues[0].field
+
+
+def launch(n: int, spec: Path, store: Path, events: Path) -> list[dict]:
+    """README's multi-node command on this node (c10d rendezvous); rank 0's reports."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
+           "--rdzv-endpoint=127.0.0.1:0", "-m", "engine.parallel.launch", str(spec), str(store), "--events", str(events)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in events.read_text().splitlines()]
 
 
 def test_the_multi_node_command_runs_a_job(tmp_path):
@@ -142,12 +187,7 @@ def test_the_multi_node_command_runs_a_job(tmp_path):
                           capture_output=True, text=True, check=True).stdout
     assert JobSpec.from_json(spec).parallel == ParallelSpec(nproc=2, ep_size=2)
     (tmp_path / "spec.json").write_text(spec)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "-m", "engine.parallel.launch", str(tmp_path / "spec.json"),
-           str(tmp_path / "store"), "--events", str(tmp_path / "events.jsonl")]
-    done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = launch(2, tmp_path / "spec.json", tmp_path / "store", tmp_path / "events.jsonl")
     assert [e["step"] for e in events if e["kind"] == "metrics"] == [1, 2]
     assert events[-1]["kind"] == "result" and events[-1]["result"]["status"] == "succeeded"
     assert (tmp_path / "store" / "artifacts" / events[-1]["result"]["adapter_key"]).exists()
