@@ -1,3 +1,20 @@
-from kernels.loss.reference import linear_cross_entropy
+"""Linear + cross-entropy without the full logits: ``reference.py`` (the definition, CPU) and
+``triton.py`` (CUDA), one signature; ``linear_cross_entropy`` picks by device."""
+from __future__ import annotations
+
+import torch
+
+from kernels.dispatch import fast
+from kernels.loss import reference
+
+
+def linear_cross_entropy(h_ND: torch.Tensor, W_VD: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100,
+                         token_chunk: int = 4096, vocab_chunk: int = 16384) -> torch.Tensor:
+    if fast(h_ND, W_VD):
+        from kernels.loss import triton as impl  # imports triton: CUDA machines only
+    else:
+        impl = reference
+    return impl.linear_cross_entropy(h_ND, W_VD, labels_N, ignore_index, token_chunk, vocab_chunk)
+
 
 __all__ = ["linear_cross_entropy"]
