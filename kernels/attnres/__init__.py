@@ -1,3 +1,19 @@
-from kernels.attnres.reference import depth_attention
+"""Depth attention for AttnRes: ``reference.py`` (the definition, CPU) and ``triton.py`` (CUDA),
+one signature; ``depth_attention`` picks by device."""
+from __future__ import annotations
+
+import torch
+
+from kernels.attnres import reference
+from kernels.dispatch import fast
+
+
+def depth_attention(sources_LBTD: torch.Tensor, w_D: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    if fast(sources_LBTD, w_D) and sources_LBTD.dtype != torch.float64:
+        from kernels.attnres import triton as impl  # imports triton: CUDA machines only
+    else:
+        impl = reference
+    return impl.depth_attention(sources_LBTD, w_D, eps)
+
 
 __all__ = ["depth_attention"]

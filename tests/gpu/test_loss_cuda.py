@@ -13,7 +13,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     assert torch.isfinite(a).all()
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
 
 
 def definition(h, W, y):

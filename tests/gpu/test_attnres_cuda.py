@@ -1,0 +1,47 @@
+"""The Triton depth attention (AttnRes) against the float64 definition on fresh random inputs:
+the output and the gradients of the sources and the pseudo-query, odd shapes, bf16 and fp32
+(ARCHITECTURE.md's tolerances); and the dispatch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attnres.reference import depth_attention as definition
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all()
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,B,T,D", [(1, 1, 5, 64), (3, 2, 37, 96), (9, 1, 513, 7168), (14, 3, 11, 4096)])
+def test_matches_the_definition(L, B, T, D, dtype):
+    from kernels.attnres.triton import depth_attention
+
+    g = torch.Generator(device="cuda").manual_seed(L * 1000 + D)
+    scale = torch.rand(L, 1, 1, 1, device="cuda", generator=g) * 3 + 0.1  # sources of different sizes
+    v = (torch.randn(L, B, T, D, device="cuda", generator=g) * scale).to(dtype).requires_grad_()
+    w = (torch.randn(D, device="cuda", generator=g) * 0.3).requires_grad_()  # fp32, as the model keeps it
+    dh = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
+    out = depth_attention(v, w)
+    out.backward(dh)
+    v64, w64 = v.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = definition(v64, w64)
+    want.backward(dh.double())
+    assert out.dtype == dtype and out.shape == (B, T, D)
+    assert rel(out, want) < TOL[dtype]
+    assert rel(v.grad, v64.grad) < TOL[dtype] and rel(w.grad, w64.grad) < TOL[dtype]
+
+
+def test_dispatch(monkeypatch):
+    import kernels.attnres as attnres
+
+    v = torch.randn(4, 2, 9, 128, device="cuda")
+    w = torch.randn(128, device="cuda")
+    fast = attnres.depth_attention(v, w)
+    monkeypatch.setenv("KILN_KERNELS", "reference")
+    assert torch.allclose(fast, attnres.depth_attention(v, w), atol=1e-5)
