@@ -29,10 +29,13 @@ POLL_S = 0.2
 
 
 class FileReporter:
-    """Rank 0's reporter: every call a JSON line; ``should_stop`` reads the stop file."""
+    """Rank 0's reporter: every call a JSON line; ``should_stop`` reads the stop file, and says
+    ``lease_lost`` once the process that launched the run (``KILN_LAUNCHER_PID``) is gone: a
+    worker killed mid-job must not leave a run training beside the one that resumes the job."""
 
     def __init__(self, events: Path, stop: Path):
         self.events, self.stop = events.open("a", buffering=1), stop
+        self.launcher = int(os.environ.get("KILN_LAUNCHER_PID", 0))
 
     def _write(self, kind: str, **fields: Any) -> None:
         self.events.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
@@ -50,7 +53,28 @@ class FileReporter:
         self._write("resolved", hyperparameters=hyperparameters)
 
     def should_stop(self) -> str | None:
+        if self.launcher and not _alive(self.launcher):
+            return "lease_lost"
         return self.stop.read_text().strip() or None if self.stop.exists() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the launching process dies; torchrun then
+    stops its ranks."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class SilentReporter:
@@ -86,10 +110,12 @@ def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.parallel.nproc}",
                "-m", "engine.parallel.launch", str(tmp / "spec.json"), str(root), "--events", str(events), "--stop", str(stop)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                             os.environ.get("PYTHONPATH", "")])}
+                                                             os.environ.get("PYTHONPATH", "")]),
+               "KILN_LAUNCHER_PID": str(os.getpid())}
         end = None
         with log.open("w") as out, events.open() as feed:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             try:
                 while True:
                     done = proc.poll() is not None

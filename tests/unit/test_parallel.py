@@ -191,3 +191,29 @@ def test_the_multi_node_command_runs_a_job(tmp_path):
     assert [e["step"] for e in events if e["kind"] == "metrics"] == [1, 2]
     assert events[-1]["kind"] == "result" and events[-1]["result"]["status"] == "succeeded"
     assert (tmp_path / "store" / "artifacts" / events[-1]["result"]["adapter_key"]).exists()
+
+
+def test_a_killed_launcher_leaves_no_run_behind(tmp_path):
+    """kill -9 of the process that called engine.train (a worker dying mid-job): the ranks stop
+    by themselves, so the job's resumption elsewhere is the only run."""
+    import signal
+    import time
+
+    (tmp_path / "spec.json").write_text(job(n_epochs=20, batch_size=1, max_steps=None, checkpoint_interval=10**6, validation_file=None,
+                                            parallel=ParallelSpec(nproc=2, ep_size=2)).to_json())
+    code = ("import sys, engine; from engine.spec import JobSpec; from kiln.store import LocalStore; "
+            "from engine.reporting import RecordingReporter\n"
+            "class R(RecordingReporter):\n    def metrics(self, step, values): print('step', step, flush=True)\n"
+            f"engine.train(JobSpec.from_json(open({str(tmp_path / 'spec.json')!r}).read()), "
+            f"LocalStore({str(tmp_path / 'store')!r}), R())")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().startswith("step")  # training under torchrun
+    ranks = subprocess.run(["pgrep", "-f", "engine.parallel.launch"], capture_output=True, text=True).stdout.split()
+    assert ranks
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 20  # the job would train for minutes more
+    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in ranks):
+        time.sleep(0.5)
+    left = [p for p in ranks if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read()]
+    assert not left, f"ranks still running: {left}"
