@@ -55,7 +55,7 @@ class LoRALinear(nn.Module):
 
 class ExpertsLoRA(nn.Module):
     """LoRA factors for an experts module's grouped projections (``gate_up_proj`` [E, 2I, D],
-    ``down_proj`` [E, D, I]), used by the module's forward through ``delta``."""
+    ``down_proj`` [E, D, I]), used by the module's forward through ``factors``."""
 
     def __init__(self, experts: nn.Module, names: list[str], rank: int, alpha: float):
         super().__init__()
@@ -72,11 +72,11 @@ class ExpertsLoRA(nn.Module):
 
     merged = False
 
-    def delta(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor | None:
-        if name not in self.names or self.merged:
+    def factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """{projection: (A [E, r, in], B [E, out, r])} for kernels.moe; None while merged."""
+        if self.merged:
             return None
-        A, B = getattr(self, f"{name}_A")[e], getattr(self, f"{name}_B")[e]
-        return ((x.to(A.dtype) @ A.t()) @ B.t() * self.scaling).to(x.dtype)
+        return {name: (getattr(self, f"{name}_A"), getattr(self, f"{name}_B")) for name in self.names}
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ Rank 0 writes the loss and the whole (gathered) gradients or parameters to ``--o
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -88,6 +89,8 @@ def main() -> None:
     p.add_argument("--load")
     p.add_argument("--meta", help="with --load: a model folder; build its model on the meta device, shard, load")
     a = p.parse_args()
+    if os.environ.get("KILN_DETERMINISTIC"):  # GPU comparisons: no atomics, so no routing flips between runs
+        torch.use_deterministic_algorithms(True)
     mesh = init_mesh(a.ep)
     if a.meta:  # the sharded load of a big model: meta init, shard, to_empty, read only the local pieces
         from pathlib import Path

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.memory.swap_core import recomputing
 from engine.model.layers import RMSNorm, f32
+from kernels.moe import grouped_mlp
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, b1: float = 4.0, b2: float = 25.0) -> torch.Tensor:
@@ -79,7 +80,7 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Grouped expert weights, one tensor per projection. The reference forward: a loop."""
+    """Grouped expert weights, one tensor per projection."""
 
     def __init__(self, E: int, D: int, I: int, act: str = "swiglu"):
         super().__init__()
@@ -87,24 +88,22 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(E, D, I))
         self.act = ACTIVATIONS[act]
 
-    def expert(self, e: int, x_MD: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` (an index into this module's tensors) on its M rows."""
+    def grouped(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Every expert (an index into this module's tensors) on its rows: the rows come grouped
+        by expert, ``counts_E`` of each (kernels.moe: a loop on the CPU, grouped GEMMs on CUDA)."""
         lora = getattr(self, "lora", None)  # engine.lora.ExpertsLoRA, when fine-tuning the experts
-
-        def proj(name: str, x: torch.Tensor) -> torch.Tensor:
-            y = F.linear(x, getattr(self, name)[e])
-            d = lora.delta(name, e, x) if lora is not None else None
-            return y if d is None else y + d
-
-        gate, up = proj("gate_up_proj", x_MD).chunk(2, -1)
-        return proj("down_proj", self.act(gate, up))
+        factors = lora.factors() if lora is not None else None
+        return grouped_mlp(x_MD, counts_E, self.gate_up_proj, self.down_proj, self.act, factors,
+                           lora.scaling if lora is not None else 1.0)
 
     def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x_ND)
-        for e in idx_NK.unique().tolist():
-            tok, slot = (idx_NK == e).nonzero(as_tuple=True)
-            out.index_add_(0, tok, self.expert(e, x_ND[tok]) * w_NK[tok, slot, None].to(x_ND.dtype))
-        return out
+        """Sort the (token, slot) pairs by expert (stable: tokens ascending within an expert), run
+        the experts, weigh, add back into the tokens (expert by expert, as a loop would)."""
+        flat = idx_NK.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = order // idx_NK.shape[1]
+        y = self.grouped(x_ND[tok], torch.bincount(flat, minlength=self.gate_up_proj.shape[0]))
+        return torch.zeros_like(x_ND).index_add_(0, tok, y * w_NK.reshape(-1)[order, None].to(x_ND.dtype))
 
 
 class MoE(nn.Module):

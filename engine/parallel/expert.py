@@ -8,9 +8,9 @@ L = E / ep local experts, M rows received):
    them per expert and swap the counts with one all-to-all: rank j learns how many rows each
    rank sends to each of its L experts;
 2. all-to-all the rows (autograd-aware: the backward is the reverse exchange);
-3. regroup the M received rows by local expert, run each local expert (every one of them, even
-   on zero rows, so every rank produces a gradient for every shard: FSDP's reduce-scatter needs
-   the same set on all ranks), put the rows back in arrival order;
+3. regroup the M received rows by local expert, run the local experts (``Experts.grouped``:
+   every one of them, even on zero rows, so every rank produces a gradient for every shard:
+   FSDP's reduce-scatter needs the same set on all ranks), put the rows back in arrival order;
 4. all-to-all the results back, weight them by the router and add them into the tokens.
 The sums into each token run in the same order as the single-device loop (expert by expert,
 tokens ascending), so ep=1 and ep>1 add the same terms in the same order.
@@ -57,8 +57,7 @@ def _forward(self: Experts, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torc
     rows = _exchange(x_ND[tok], recv, send, ep.group)
     local = torch.repeat_interleave(torch.arange(L, device=got.device).repeat(ep.size), got_EL.flatten())
     regroup = torch.argsort(local, stable=True)
-    per_expert = got_EL.sum(0).tolist()
-    y = torch.cat([self.expert(e, part) for e, part in enumerate(rows[regroup].split(per_expert))])
+    y = self.grouped(rows[regroup], got_EL.sum(0))
     back = _exchange(y[torch.argsort(regroup)], send, recv, ep.group)
     w = w_NK.reshape(-1)[order, None].to(x_ND.dtype)
     return torch.zeros_like(x_ND).index_add_(0, tok, back * w)

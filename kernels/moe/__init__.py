@@ -1,0 +1,25 @@
+"""MoE experts on grouped rows: ``reference.py`` (a loop over the experts, the definition) and
+``grouped.py`` (torch._grouped_mm on CUDA, one signature); ``grouped_mlp`` picks. The Triton
+grouped GEMM of #7 is still to come; torch's is its baseline."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernels.dispatch import fast
+from kernels.moe import reference
+from kernels.moe.reference import Lora
+
+
+def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
+                act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+    if fast(x_MD):
+        from kernels.moe import grouped
+
+        if grouped.usable(x_MD, gate_up_E2ID, down_EDI, lora):
+            return grouped.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
+    return reference.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
+
+
+__all__ = ["Lora", "grouped_mlp"]

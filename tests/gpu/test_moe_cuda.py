@@ -1,0 +1,67 @@
+"""The grouped experts on CUDA (torch._grouped_mm, LoRA through grouped GEMMs) against the
+float64 loop on fresh random inputs: output and the gradients of the rows, the expert weights
+and the LoRA factors, with empty experts and odd row counts, bf16 (tolerance 1e-2); and the
+dispatch back to the loop where grouped GEMMs do not apply (LoRA rank 4)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.moe import grouped_mlp, reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def situ(g, u):
+    return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * (25 * torch.tanh(u / 25))
+
+
+def rel(a, b) -> float:
+    assert torch.isfinite(a).all()
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+
+def case(E: int, D: int, I: int, r: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    counts = torch.randint(0, 60, (E,), device="cuda", generator=g)
+    counts[1] = 0  # an expert without rows
+    M = int(counts.sum())
+    t = lambda *s, sc=1.0: (torch.randn(*s, device="cuda", generator=g) * sc).requires_grad_()
+    x = t(M, D)
+    W1, W2 = t(E, 2 * I, D, sc=D ** -0.5), t(E, D, I, sc=I ** -0.5)
+    lora = {"gate_up_proj": (t(E, r, D, sc=D ** -0.5), t(E, 2 * I, r, sc=0.1)),
+            "down_proj": (t(E, r, I, sc=I ** -0.5), t(E, D, r, sc=0.1))}
+    return x, counts, W1, W2, lora
+
+
+def leaves(x, W1, W2, lora):
+    return [x, W1, W2, *[p for pair in lora.values() for p in pair]]
+
+
+@pytest.mark.parametrize("E,D,I,r", [(8, 64, 32, 8), (13, 256, 96, 16)])
+def test_grouped_matches_the_loop(E, D, I, r):
+    x, counts, W1, W2, lora = case(E, D, I, r, E + D)
+    dy = torch.randn(x.shape[0], D, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = grouped_mlp(x, counts, W1, W2, situ, lora, 2.0)
+    assert y.dtype == torch.bfloat16  # as F.linear under autocast
+    y.float().backward(dy)
+    got = [p.grad for p in leaves(x, W1, W2, lora)]
+    d = [p.detach().double().requires_grad_() for p in leaves(x, W1, W2, lora)]
+    d_lora = {"gate_up_proj": (d[3], d[4]), "down_proj": (d[5], d[6])}
+    want = reference.grouped_mlp(d[0], counts, d[1], d[2], situ, d_lora, 2.0)
+    want.backward(dy.double())
+    assert rel(y, want) < 1e-2
+    for i, (a, b) in enumerate(zip(got, d)):
+        assert rel(a, b.grad) < 1e-2, i
+
+
+def test_rank_4_falls_back_to_the_loop():
+    from kernels.moe import grouped
+
+    x, counts, W1, W2, lora = case(4, 64, 32, 4, 7)
+    assert not grouped.usable(x, W1, W2, lora)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = grouped_mlp(x, counts, W1, W2, situ, lora, 2.0)
+        z = reference.grouped_mlp(x, counts, W1, W2, situ, lora, 2.0)
+    assert torch.equal(y, z)
