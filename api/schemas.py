@@ -3,11 +3,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from api.models import Checkpoint, File, Job, JobEvent
 
 PosInt = Annotated[int, Field(strict=True, ge=1)]
+
+
+def _storable(s: str) -> str:
+    """Text the database can keep: PostgreSQL refuses NUL in text and in JSON. (Unpaired
+    surrogates never get this far: pydantic refuses them while parsing.)"""
+    if "\x00" in s:
+        raise ValueError("must not contain NUL characters")
+    return s
+
+
+Text = Annotated[str, AfterValidator(_storable)]
 
 
 class MemorySettings(BaseModel):
@@ -85,7 +96,7 @@ class JobCreate(BaseModel):
     lora: LoraSettings | None = None
     suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
     seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[Text, Text] | None = None
     integrations: list[Any] | None = None
 
     def resolved_hyperparameters(self) -> Hyperparameters:

@@ -11,13 +11,14 @@ from api.auth import create_key, current_owner, revoke_key
 from api.deps import get_session
 from api.errors import not_found
 from api.models import ApiKey
+from api.schemas import Text
 
 router = APIRouter(prefix="/v1/keys")
 
 
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field("", max_length=200)
+    name: Text = Field("", max_length=200)
 
 
 def key_public(k: ApiKey) -> dict:

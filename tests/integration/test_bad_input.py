@@ -131,6 +131,7 @@ def text_file(pg_stack):
     ({"hyperparameters": {"parallel": {"nproc": 0}}}, 400, ["hyperparameters.parallel.nproc"], None),
     ({"hyperparameters": {"parallel": {"nproc": 2, "ep_size": 2}}}, 400, ["does not divide the 0 experts of kiln-tiny"],
      "hyperparameters.parallel.ep_size"),
+    ({"metadata": {"note": "a\u0000b"}}, 400, ["metadata", "must not contain NUL characters"], None),
     ({"lora": {"target_modules": ["qkv"]}}, 400, ["unknown name(s) qkv"], "lora.target_modules"),
     ({"lora": {"target_parameters": ["mlp.experts.gate_up_proj"]}}, 400, ["choose from none"], "lora.target_parameters"),
     ({"model": "gpt-5"}, 400, ["'gpt-5' is not available", "kiln-tiny"], "model"),
@@ -143,6 +144,17 @@ def test_bad_job_requests(pg_stack, text_file, patch, status, needles, param):
         before = c.get("/v1/fine_tuning/jobs", params={"limit": 100}).json()["data"]
         assert_error(c.post("/v1/fine_tuning/jobs", json=body), status, *needles, param=param)
         assert c.get("/v1/fine_tuning/jobs", params={"limit": 100}).json()["data"] == before
+
+
+@pytest.mark.parametrize("raw, needle", [(b'{"name": "\\udb69\\udcdf9\\u0000"}', "must not contain NUL characters"),
+                                         (b'{"name": "\\udb69x"}', "valid string")])
+def test_key_names_the_database_cannot_keep_are_a_400(pg_stack, raw, needle):
+    """Found by the API fuzzer: a name with NUL was a 500 from PostgreSQL."""
+    with pg_stack.client() as c:
+        before = c.get("/v1/keys").json()["data"]
+        r = c.post("/v1/keys", content=raw, headers={"content-type": "application/json"})
+        assert_error(r, 400, "name", needle)
+        assert c.get("/v1/keys").json()["data"] == before
 
 
 def test_missing_image_names_line_and_field(pg_stack, sample):
