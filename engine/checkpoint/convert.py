@@ -34,6 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.checkpoint.hf import shards
 from engine.checkpoint.mxfp4 import PACKED, SCALE, decode_reference, dequantize
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -46,14 +47,10 @@ class Checkpoint:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        index = self.folder / "model.safetensors.index.json"
-        if index.exists():
-            self.files = {k: self.folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        elif (self.folder / "model.safetensors").exists():
-            with safe_open(str(self.folder / "model.safetensors"), framework="pt") as f:
-                self.files = {k: self.folder / "model.safetensors" for k in f.keys()}
-        else:
-            raise FileNotFoundError(f"{self.folder} has neither model.safetensors nor model.safetensors.index.json")
+        self.files: dict[str, Path] = {}
+        for path in shards(self.folder):
+            with safe_open(str(path), framework="pt") as f:
+                self.files.update(dict.fromkeys(f.keys(), path))
 
     def has(self, key: str) -> bool:
         return key in self.files or self._packed(key) in self.files

@@ -63,13 +63,12 @@ def _forward(self: Experts, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torc
     return torch.zeros_like(x_ND).index_add_(0, tok, back * w)
 
 
-def shard_experts(model: nn.Module, mesh: Mesh) -> list[str]:
+def shard_experts(model: nn.Module, mesh: Mesh) -> None:
     """Keep this rank's slice of every experts module (its tensors and its LoRA factors: all of
-    them have the experts first) and route its forward through the all-to-alls. Returns the
-    sharded module paths. A no-op when ``ep`` is 1."""
+    them have the experts first) and route its forward through the all-to-alls. A no-op when
+    ``ep`` is 1."""
     if mesh.ep == 1:
-        return []
-    done = []
+        return
     for path, module in model.named_modules():
         if not isinstance(module, Experts):
             continue
@@ -83,5 +82,3 @@ def shard_experts(model: nn.Module, mesh: Mesh) -> list[str]:
             setattr(target, leaf, nn.Parameter(p.detach()[r * L:(r + 1) * L].clone(), requires_grad=p.requires_grad))
         module.expert_shard = ExpertShard(mesh.ep_group, mesh.ep, r, E)
         module.forward = MethodType(_forward, module)
-        done.append(path)
-    return done

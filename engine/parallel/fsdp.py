@@ -54,7 +54,6 @@ def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
         if buf.device != mesh.device and not buf.is_meta:
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner) if owner else model, leaf, buf.to(mesh.device))
-    model.parallel_mesh = mesh
     return model
 
 
@@ -83,16 +82,8 @@ def global_view(model: nn.Module, mesh: Mesh | None, tensors: dict[str, torch.Te
             continue
         shape = (E, *t.shape[1:])
         out[name] = DTensor.from_local(t.to_local(), mesh.experts, [Shard(0), Shard(0)], run_check=False,
-                                       shape=torch.Size(shape), stride=_contiguous_stride(shape))
+                                       shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
     return out
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 def full_tensors(model: nn.Module, mesh: Mesh, names: set[str] | None = None) -> dict[str, torch.Tensor]:

@@ -7,14 +7,10 @@ import pytest
 import torch
 
 from kernels.attnres.reference import depth_attention as definition
+from tests.tolerance import rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert torch.isfinite(a).all()
-    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,14 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.tolerance import rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert torch.isfinite(a).all()
-    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
 
 
 def definition(h, W, y):

@@ -8,17 +8,13 @@ import pytest
 import torch
 
 from kernels.moe import grouped_mlp, reference
+from tests.tolerance import rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def situ(g, u):
     return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * (25 * torch.tanh(u / 25))
-
-
-def rel(a, b) -> float:
-    assert torch.isfinite(a).all()
-    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
 
 
 def case(E: int, D: int, I: int, r: int, seed: int):

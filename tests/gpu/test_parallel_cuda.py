@@ -11,7 +11,8 @@ import engine
 from engine.reporting import RecordingReporter
 from kiln.store import LocalStore
 from tests.parallel_worker import ROWS, build, n_targets, step_loss
-from tests.unit.test_parallel import job, launch, rel, torchrun
+from tests.tolerance import rel
+from tests.unit.test_parallel import job, launch, torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

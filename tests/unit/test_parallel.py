@@ -22,6 +22,7 @@ from engine.spec import JobSpec, LoraSpec, MemorySpec, ParallelSpec
 from kiln.dataset import DatasetError
 from kiln.store import LocalStore
 from tests.parallel_worker import ROWS, build, n_targets, step_loss
+from tests.tolerance import rel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,10 +37,6 @@ def torchrun(n: int, *args: str) -> None:
            "-m", "tests.parallel_worker", *args]
     done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("mode,world,ep", [("lora", 2, 2), ("full", 2, 1), ("full", 4, 2), ("lora", 4, 4)])
