@@ -24,4 +24,6 @@ source scripts/setup_env.sh server,engine,dev
 # fla-core's naive KDA is a parity oracle; --no-deps keeps triton off the CPU machine (with
 # triton present, transformers routes KDA through Triton kernels and fails without a GPU).
 .venv/bin/python -m pip install -q --no-deps fla-core==0.6.0
+# Triton for its interpreter (the kernels' CPU tests), in .triton for that reason too.
+[ -d .triton/triton ] || .venv/bin/python -m pip install -q --no-deps --target .triton triton==3.6.0
 exec .venv/bin/python -m pytest "$@"

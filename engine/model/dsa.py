@@ -6,6 +6,12 @@ Names follow transformers' ``deepseek_v32`` (``q_a_proj``, ``indexer.wq_b``, ...
 weights load as they are. The indexer learns only from its KL loss (``last_indexer_loss``,
 recorded while training): its input is detached from the main model.
 
+The attention runs in MLA's absorbed form, as DeepSeek's sparse kernels do: ``kv_b_proj``'s key
+half is folded into the queries (q_h W_UK,h against the shared latent) and its value half applied
+after the attention, so all heads share one key/value row of kv_lora_rank + qk_rope dims per
+token. Exactly the same sums; one gathered row serves every head. With LoRA dropout on
+``kv_b_proj`` (a different input for the factors) it runs per head instead.
+
 Legend: B batch, T tokens, D hidden, H heads, J index heads.
 """
 from __future__ import annotations
@@ -14,8 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import RMSNorm, causal_mask
-from kernels.dsa import indexer_kl_loss, indexer_scores, select_topk, sparse_attention
+from engine.lora import LoRALinear
+
+from engine.model.layers import RMSNorm, doc_starts
+from kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
 
 
 def rope_cos_sin(positions_BT: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +56,8 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
 
-    def forward(self, x_BTD, q_resid_BTR, cos, sin, allowed_BTS) -> torch.Tensor:
+    def forward(self, x_BTD, q_resid_BTR, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The index queries [B, T, J, d], keys [B, T, d] and head weights [B, T, J]."""
         B, T, _ = x_BTD.shape
         q = self.wq_b(q_resid_BTR).view(B, T, self.J, self.Dh)
         k = self.k_norm(self.wk(x_BTD))
@@ -56,7 +65,7 @@ class Indexer(nn.Module):
             q = torch.cat([rope_half(q[..., :self.rope], cos[:, :, None], sin[:, :, None]), q[..., self.rope:]], -1)
             k = torch.cat([rope_half(k[..., :self.rope], cos, sin), k[..., self.rope:]], -1)
         w = self.weights_proj(x_BTD) * self.J ** -0.5
-        return indexer_scores(q, k, w, allowed_BTS)
+        return q, k.to(q.dtype), w.to(q.dtype)
 
 
 class GatedDSAttention(nn.Module):
@@ -81,31 +90,54 @@ class GatedDSAttention(nn.Module):
                 doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         pos = positions_BT if positions_BT is not None else torch.arange(T, device=x_BTD.device).expand(B, T)
-        allowed = causal_mask(T, x_BTD.device, doc_ids_BT).expand(B, T, T)
+        starts = doc_starts(doc_ids_BT, B, T, x_BTD.device)
         q_resid = self.q_a_layernorm(self.q_a_proj(x_BTD))
-        q = self.q_b_proj(q_resid).view(B, T, self.H, -1).transpose(1, 2)
-        q_nope, q_rot = q.split([self.nope, self.rope], -1)
+        q_nope, q_rot = self.q_b_proj(q_resid).view(B, T, self.H, -1).split([self.nope, self.rope], -1)
         latent, k_rot = self.kv_a_proj_with_mqa(x_BTD).split([self.rank, self.rope], -1)
         cos = sin = None
         if self.use_rope:
             cos, sin = rope_cos_sin(pos, self.rope, self.theta)
-            q_rot = rope_interleaved(q_rot, cos[:, None], sin[:, None])
+            q_rot = rope_interleaved(q_rot, cos[:, :, None], sin[:, :, None])
             k_rot = rope_interleaved(k_rot, cos, sin)
-        k_rot = k_rot[:, None].expand(B, self.H, T, self.rope)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.H, -1).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v], -1)
-        q = torch.cat([q_nope, q_rot], -1)
-        k = torch.cat([k_nope, k_rot], -1)
-        detached = (x_BTD.detach(), q_resid.detach())  # the indexer learns from its own loss only
-        scores = self.indexer(*detached, cos, sin, allowed)
-        selected = select_topk(scores, self.topk, allowed)
+        latent = self.kv_a_layernorm(latent)
+        index_q, index_k, index_w = self.indexer(x_BTD.detach(), q_resid.detach(), cos, sin)  # learns from its loss only
+        idx = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), starts, self.topk)
         scale = (self.nope + self.rope) ** -0.5
-        o = sparse_attention(q, k, v, selected, scale)  # [B, H, T, v]
+        up, down = self._absorbed()
+        if up is not None:  # keys and values: the latent, shared by all heads
+            q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, up.to(q_nope.dtype)), q_rot], -1)
+            k = torch.cat([latent, k_rot], -1)[:, :, None]
+            o, weights = self._attend(q, k.to(q.dtype), latent[:, :, None].to(q.dtype), idx, scale)
+            o = torch.einsum("bthr,hvr->bthv", o, down.to(o.dtype))
+        else:
+            k_nope, v = self.kv_b_proj(latent).view(B, T, self.H, -1).split([self.nope, self.v], -1)
+            q = torch.cat([q_nope, q_rot], -1)
+            k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, self.H, self.rope)], -1)
+            o, weights = self._attend(q, k, v, idx, scale)
         if self.training:
-            with torch.no_grad():
-                probs = torch.softmax((q @ k.transpose(-1, -2) * scale).masked_fill(~selected[:, None], float("-inf")), -1)
-            self.last_indexer_loss = indexer_kl_loss(probs, scores, selected)
-        o = o.transpose(1, 2).reshape(B, T, -1)
+            self.last_indexer_loss = indexer_kl_loss(index_q, index_k, index_w, idx, weights)
+        o = o.reshape(B, T, -1)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o)
+
+    def _attend(self, q, k, v, idx, scale) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention, and while training the indexer's target."""
+        if self.training:
+            return sparse_attention(q, k, v, idx, scale, with_weights=True)
+        return sparse_attention(q, k, v, idx, scale), None
+
+    def _absorbed(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``kv_b_proj``'s weight (LoRA included) as W_UK [H, nope, rank] and W_UV [H, v, rank];
+        (None, None) where LoRA dropout makes the layer more than one matrix."""
+        layer = self.kv_b_proj
+        if isinstance(layer, LoRALinear):
+            if layer.training and isinstance(layer.dropout, nn.Dropout) and not layer.merged:
+                return None, None
+            W = layer.base.weight
+            if not layer.merged:
+                W = W + (layer.lora_B.weight @ layer.lora_A.weight * layer.scaling).to(W.dtype)
+        else:
+            W = layer.weight
+        W = W.view(self.H, self.nope + self.v, self.rank)
+        return W[:, :self.nope], W[:, self.nope:]

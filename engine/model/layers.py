@@ -37,6 +37,17 @@ def causal_mask(T: int, device: torch.device, doc_ids_BT: torch.Tensor | None = 
     return mask
 
 
+def doc_starts(doc_ids_BT: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """The first key each query sees [B, T]: 0, or with ``doc_ids_BT`` (contiguous documents in
+    packed rows) the first token of the query's document. The same keys as ``causal_mask``."""
+    if doc_ids_BT is None:
+        return torch.zeros(B, T, dtype=torch.long, device=device)
+    t = torch.arange(T, device=device).expand(B, T)
+    new = torch.ones(B, T, dtype=torch.bool, device=device)
+    new[:, 1:] = doc_ids_BT[:, 1:] != doc_ids_BT[:, :-1]
+    return torch.cummax(torch.where(new, t, 0), 1).values
+
+
 def rows_end_to_end(doc_ids_BT: torch.Tensor) -> torch.Tensor:
     """Packed rows laid end to end as one sequence [1, B*T], document ids made distinct across
     rows and each row's padding (-1) its own document: for layers with state across tokens."""

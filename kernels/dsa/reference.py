@@ -1,16 +1,21 @@
-"""DeepSeek Sparse Attention: the lightning indexer, top-k selection, attention over the
-selected keys, and the indexer's training loss. The reference (dense masks, readable).
+"""DeepSeek Sparse Attention: the lightning indexer with its top-k, attention over the selected
+keys, and the indexer's training loss. The reference: dense scores and gathers, readable.
 
-    I[t, s] = sum_j w[t, j] * ReLU(scale * q[t, j] . k[s])      (s allowed by the mask)
+    I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s] / sqrt(d))    (starts[t] <= s <= t)
     S_t     = top-k_s I[t, s]                                     (k = 2048 in DeepSeek V3.2 / K3)
-    o_t     = softmax over s in S_t of (scale_attn * Q_t . K_s) V_s
-    L_I     = sum_t KL(p_t || softmax(I_t restricted to S_t)),  p_t = main attention summed
-              over heads, L1-normalised, on S_t; the indexer's input is detached for it.
+    o_t,h   = softmax over s in S_t of (scale * Q_t,h . K_s) V_s
+    L_I     = sum_t KL(p_t || softmax(I_t restricted to S_t)) / B,  p_t = the main attention's
+              probabilities averaged over heads, on S_t (a target: no gradient flows into it)
 
 With k >= the number of allowed keys, the attention is exactly dense causal attention.
-``allowed_BTT`` is the causal mask, and-ed with the document mask for packed rows.
+``starts_BT`` is the first key each query may see: 0 for plain causal rows, the first token of the
+query's document in packed rows (documents are contiguous).
 
-Legend: B batch, T queries, S keys (= T), H heads, J index heads, D dims, K top-k.
+Selections are index lists ``idx_BTK``: key positions, valid ones first, -1 for "none" (a query
+allowed fewer than k keys). Keys come in groups: ``k_BSGD`` holds G key heads, each shared by
+H / G query heads (G = 1 is MLA's absorbed, multi-query form; G = H plain multi-head).
+
+Legend: B batch, T queries, S keys (= T), H heads, G key heads, J index heads, D dims, K top-k.
 """
 from __future__ import annotations
 
@@ -18,37 +23,76 @@ import torch
 import torch.nn.functional as F
 
 
+def allowed_keys(starts_BT: torch.Tensor, S: int) -> torch.Tensor:
+    """[B, T, S] bool: starts[t] <= s <= t."""
+    s = torch.arange(S, device=starts_BT.device)
+    t = torch.arange(starts_BT.shape[1], device=starts_BT.device)
+    return (s >= starts_BT[..., None]) & (s <= t[:, None])
+
+
 def indexer_scores(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor,
-                   allowed_BTS: torch.Tensor) -> torch.Tensor:
+                   starts_BT: torch.Tensor) -> torch.Tensor:
     """Index scores [B, T, S] (fp32 or fp64), -inf where a key is not allowed."""
     up = torch.promote_types(q_BTJD.dtype, torch.float32)
     scale = q_BTJD.shape[-1] ** -0.5
     dots = torch.einsum("btjd,bsd->btjs", q_BTJD.to(up), k_BSD.to(up)) * scale
     scores = torch.einsum("btj,btjs->bts", w_BTJ.to(up), F.relu(dots))
-    return scores.masked_fill(~allowed_BTS, float("-inf"))
+    return scores.masked_fill(~allowed_keys(starts_BT, k_BSD.shape[1]), float("-inf"))
 
 
-def select_topk(scores_BTS: torch.Tensor, k: int, allowed_BTS: torch.Tensor) -> torch.Tensor:
-    """The selected keys as a mask [B, T, S]: the k best allowed keys of each query (all of
-    them when fewer than k are allowed). Ties (ReLU makes exact zeros common) go to the earlier
-    key, so the choice does not depend on where a document sits in a packed row."""
-    k = min(k, scores_BTS.shape[-1])
-    idx = torch.sort(scores_BTS, dim=-1, descending=True, stable=True).indices[..., :k]
-    chosen = torch.zeros_like(allowed_BTS).scatter_(-1, idx, True)
-    return chosen & allowed_BTS
+def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
+                 topk: int) -> torch.Tensor:
+    """The k best allowed keys of each query, [B, T, min(k, S)] int32, in descending position,
+    -1 after the last. Ties (ReLU makes exact zeros common) go to the earlier key, so the choice
+    does not depend on where a document sits in a packed row."""
+    scores = indexer_scores(q_BTJD, k_BSD, w_BTJ, starts_BT)
+    K = min(topk, scores.shape[-1])
+    best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :K]
+    ok = torch.gather(allowed_keys(starts_BT, scores.shape[-1]), -1, best)
+    return torch.where(ok, best, -1).sort(-1, descending=True).values.int()
 
 
-def sparse_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSE: torch.Tensor, selected_BTS: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """Attention of each query over its selected keys only. [B, H, T, E]."""
-    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSE, attn_mask=selected_BTS[:, None], scale=scale)
+def _gathered(x_BSGD: torch.Tensor, idx_BTK: torch.Tensor) -> torch.Tensor:
+    """x at the selected keys: [B, T, K, G, D] (a placeholder row where idx is -1)."""
+    B, T, K = idx_BTK.shape
+    flat = idx_BTK.clamp_min(0).long().reshape(B, T * K)
+    rows = torch.gather(x_BSGD.flatten(2), 1, flat[..., None].expand(-1, -1, x_BSGD[0, 0].numel()))
+    return rows.view(B, T, K, *x_BSGD.shape[2:])
 
 
-def indexer_kl_loss(attn_BHTS: torch.Tensor, scores_BTS: torch.Tensor, selected_BTS: torch.Tensor) -> torch.Tensor:
-    """KL(p || softmax(I)) on the selected keys, summed over queries, averaged over the batch.
-    ``attn_BHTS`` (the main attention's probabilities) is a target: no gradient flows into it."""
-    p = attn_BHTS.detach().sum(1).masked_fill(~selected_BTS, 0.0)
-    p = p / p.sum(-1, keepdim=True).clamp_min(1e-20)
-    log_q = torch.log_softmax(scores_BTS.masked_fill(~selected_BTS, float("-inf")), -1)
-    kl = torch.where(selected_BTS & (p > 0), p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p))
+def _head_scores(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, idx_BTK: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * q . k over the selected keys, [B, T, H, K], -inf where idx is -1."""
+    B, T, H, _ = q_BTHD.shape
+    G = k_BSGD.shape[2]
+    q = q_BTHD.view(B, T, G, H // G, -1)
+    s = torch.einsum("btgnd,btkgd->btgnk", q, _gathered(k_BSGD, idx_BTK)).reshape(B, T, H, -1) * scale
+    return s.masked_fill((idx_BTK < 0)[:, :, None], float("-inf"))
+
+
+def sparse_attention(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGE: torch.Tensor, idx_BTK: torch.Tensor,
+                     scale: float, with_weights: bool = False):
+    """Attention of each query over its selected keys only, [B, T, H, E]. ``with_weights`` also
+    returns the indexer's target: the probabilities on the selected keys averaged over heads,
+    [B, T, K] fp32 (0 where idx is -1, summing to 1 per query), without a gradient."""
+    B, T, H, _ = q_BTHD.shape
+    G = k_BSGD.shape[2]
+    up = torch.promote_types(q_BTHD.dtype, torch.float32)
+    p = torch.softmax(_head_scores(q_BTHD, k_BSGD, idx_BTK, scale).to(up), -1)
+    o = torch.einsum("btgnk,btkge->btgne", p.to(q_BTHD.dtype).view(B, T, G, H // G, -1), _gathered(v_BSGE, idx_BTK))
+    o = o.reshape(B, T, H, -1)
+    return (o, p.detach().mean(2).float()) if with_weights else o
+
+
+def indexer_kl_loss(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, idx_BTK: torch.Tensor,
+                    p_BTK: torch.Tensor) -> torch.Tensor:
+    """sum_t KL(p_t || softmax of the index scores over S_t), averaged over the batch. Gradients
+    reach q, k and w; ``p_BTK`` is a target."""
+    up = torch.promote_types(q_BTJD.dtype, torch.float32)
+    k = _gathered(k_BSD[:, :, None], idx_BTK)[:, :, :, 0].to(up)  # [B, T, K, D]
+    dots = torch.einsum("btjd,btkd->btjk", q_BTJD.to(up), k) * q_BTJD.shape[-1] ** -0.5
+    scores = torch.einsum("btj,btjk->btk", w_BTJ.to(up), F.relu(dots))
+    valid = idx_BTK >= 0
+    log_q = torch.log_softmax(scores.masked_fill(~valid, float("-inf")), -1)
+    p = p_BTK.detach().to(up)
+    kl = torch.where(valid & (p > 0), p * (torch.log(p.clamp_min(1e-30)) - log_q), torch.zeros_like(p))
     return kl.sum((-1, -2)).mean()

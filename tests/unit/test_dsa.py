@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.dsa import GatedDSAttention
-from kernels.dsa import indexer_kl_loss, indexer_scores, select_topk
+from kernels.dsa import indexer_kl_loss, indexer_scores, indexer_topk, sparse_attention
 
 DIMS = dict(hidden=64, heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope=16, qk_rope=8, v_dim=16,
             index_heads=3, index_head_dim=16)
@@ -66,18 +66,44 @@ def test_topk_at_least_the_length_is_dense_causal_attention():
         assert rel(m(x), got) < 1e-12
 
 
-def test_select_topk_and_scores_respect_the_mask():
+def test_topk_and_scores_respect_the_mask():
     B, T, J, D = 1, 12, 2, 8
     g = torch.Generator().manual_seed(0)
     q, k, w = torch.randn(B, T, J, D, generator=g), torch.randn(B, T, D, generator=g), torch.rand(B, T, J, generator=g)
-    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None]
-    s = indexer_scores(q, k, w, allowed)
+    starts = torch.tensor([[0] * 5 + [5] * 7])  # two documents
+    allowed = (torch.ones(T, T, dtype=torch.bool).tril() & (starts[0, :, None] <= torch.arange(T)))[None]
+    s = indexer_scores(q, k, w, starts)
     assert torch.isinf(s[0][~allowed[0]]).all() and torch.isfinite(s[0][allowed[0]]).all()
-    sel = select_topk(s, 4, allowed)
-    assert (sel.sum(-1)[0] == torch.clamp(torch.arange(1, T + 1), max=4)).all()
-    assert not (sel & ~allowed).any()
+    idx = indexer_topk(q, k, w, starts, 4)
+    count = torch.tensor([1, 2, 3, 4, 4, 1, 2, 3, 4, 4, 4, 4])
+    assert idx.shape == (1, T, 4) and ((idx >= 0).sum(-1)[0] == count).all()
+    for t in range(T):
+        chosen = idx[0, t, :count[t]]
+        assert (chosen.diff() < 0).all() and ((idx[0, t, count[t]:]) == -1).all()  # descending, then -1
+        assert allowed[0, t, chosen].all()
+        assert s[0, t, chosen].min() >= s[0, t][allowed[0, t]].topk(int(count[t])).values.min()  # the best ones
     want = (w[..., None] * F.relu(torch.einsum("btjd,bsd->btjs", q, k) * D ** -0.5)).sum(2)
     assert torch.allclose(s[0][allowed[0]], want[0][allowed[0]])
+
+
+def test_ties_go_to_the_earlier_key():
+    q, k = torch.randn(1, 9, 2, 8), torch.randn(1, 9, 8)
+    w = torch.zeros(1, 9, 2)  # every score 0
+    idx = indexer_topk(q, k, w, torch.zeros(1, 9, dtype=torch.long), 3)
+    assert idx[0, 8].tolist() == [2, 1, 0] and idx[0, 1].tolist() == [1, 0, -1]
+
+
+def test_grouped_keys_are_the_same_as_repeated_heads():
+    """G key heads shared by H / G query heads each equal H plain heads with repeated keys."""
+    g = torch.Generator().manual_seed(1)
+    B, T, H, G, D, E = 2, 10, 6, 2, 8, 5
+    q, k, v = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, G, D, generator=g), torch.randn(B, T, G, E, generator=g)
+    idx = indexer_topk(torch.randn(B, T, 2, 4, generator=g), torch.randn(B, T, 4, generator=g),
+                       torch.randn(B, T, 2, generator=g), torch.zeros(B, T, dtype=torch.long), 4)
+    o, p = sparse_attention(q, k, v, idx, 0.3, with_weights=True)
+    full, p_full = sparse_attention(q, k.repeat_interleave(3, 2), v.repeat_interleave(3, 2), idx, 0.3, with_weights=True)
+    assert rel(o, full) < 1e-6 and rel(p, p_full) < 1e-6
+    assert torch.allclose(p.sum(-1), torch.ones(B, T)) and (p[idx < 0] == 0).all()
 
 
 def test_documents_stay_apart_and_the_gate_matters():
@@ -107,10 +133,12 @@ def test_indexer_learns_only_from_its_loss():
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.indexer.parameters())
     assert x.grad is None or float(x.grad.abs().sum()) == 0.0  # and it does not reach the model
-    probs = torch.softmax(torch.randn(1, 2, 5, 5, dtype=torch.float64), -1)
-    sel = torch.ones(1, 5, 5, dtype=torch.bool)
-    target = probs.sum(1) / probs.sum(1).sum(-1, keepdim=True)
-    assert float(indexer_kl_loss(probs, torch.log(target), sel)) < 1e-12  # zero at the target
+    # zero where the target is the indexer's own softmax
+    q, k, w = torch.randn(1, 5, 2, 4, dtype=torch.float64), torch.randn(1, 5, 4, dtype=torch.float64), torch.rand(1, 5, 2, dtype=torch.float64)
+    starts = torch.zeros(1, 5, dtype=torch.long)
+    idx = indexer_topk(q, k, w, starts, 3)
+    s = indexer_scores(q, k, w, starts).gather(-1, idx.clamp_min(0).long()).masked_fill(idx < 0, float("-inf"))
+    assert float(indexer_kl_loss(q, k, w, idx, torch.softmax(s, -1))) < 1e-12
 
 
 def test_deepseek_v32_checkpoint_logits_match_transformers(tmp_path):
@@ -139,3 +167,36 @@ def test_deepseek_v32_checkpoint_logits_match_transformers(tmp_path):
         want = ref(ids).logits
         got = ours(ids)
     assert rel(got, want) < 1e-4, rel(got, want)
+
+
+def test_absorbed_form_equals_per_head_attention_with_lora():
+    """The absorbed (multi-query) attention computes what per-head keys and values compute,
+    LoRA on kv_b_proj included (its factors get the same gradients); with LoRA dropout the block
+    runs per head."""
+    from engine.lora import apply_lora
+    from engine.spec import LoraSpec
+
+    m = module(topk=6).train()
+    apply_lora(m, LoraSpec(rank=4, alpha=8, target_modules=["kv_b_proj", "q_b_proj"]))
+    with torch.no_grad():
+        m.kv_b_proj.lora_B.weight.normal_()  # a trained adapter, not the zero start
+        m.q_b_proj.lora_B.weight.normal_()
+    x = torch.randn(2, 19, 64, dtype=torch.float64)
+    dy = torch.randn(2, 19, 64, dtype=torch.float64)
+
+    def run():
+        m.zero_grad()
+        out = m(x)
+        (out * dy).sum().backward()
+        return out.detach(), [p.grad.clone() for p in m.parameters() if p.requires_grad]
+
+    absorbed, grads = run()
+    m._absorbed = lambda: (None, None)  # force the per-head form
+    per_head, grads_ph = run()
+    assert rel(absorbed, per_head) < 1e-12
+    assert all(rel(a, b) < 1e-10 for a, b in zip(grads, grads_ph))
+    del m._absorbed
+    m.kv_b_proj.dropout = torch.nn.Dropout(0.1)
+    assert m._absorbed() == (None, None)
+    m.eval()
+    assert m._absorbed()[0] is not None  # no dropout at evaluation

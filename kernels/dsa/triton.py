@@ -1,0 +1,462 @@
+"""DSA in Triton: the same functions as ``reference.py``, without dense [T, S] tensors outside
+the indexer's top-k and without gathered copies of the keys.
+
+- ``indexer_topk``: one kernel scores a block of queries against a block of keys (the index
+  heads looped inside, ReLU and weights fused) and writes each score with its key position as
+  one sortable int64 (order-preserving float bits above, the complemented position below), so
+  ``torch.topk`` on it is exact and breaks ties to the earlier key, as the reference does. Queries
+  go in chunks of at most 2 GiB of keys; only keys up to the chunk's last query are scored.
+- ``sparse_attention``: flash attention over each query's index list. Forward: a program per
+  (query, key head, block of its query heads), online softmax over blocks of gathered keys.
+  Backward: dq by the same walk; dk and dv by a program per (query, key head) that sums over all
+  of the group's query heads before one fp32 atomic add per selected key. With
+  ``with_weights`` a third walk writes the indexer's target (probabilities averaged over heads).
+- ``indexer_kl_loss``: a program per query recomputes its index scores on the selected keys only;
+  the backward adds dk with fp32 atomics.
+
+The head dim is split into a power-of-two part and a remainder (576 = 512 + 64, 192 = 128 + 64)
+so that no lane of the dot products is padding. fp32 inputs use IEEE dots.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+NONE = -(2**63)  # the sort key of a key a query may not see
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def _split(D: int) -> tuple[int, int]:
+    """Tiles DA + DB >= D, both powers of two, DA the largest that fits (DB all padding when D is
+    itself a power of two: a small waste that keeps one code path)."""
+    DA = max(16, 1 << (D.bit_length() - 1))
+    return DA, _pow2(D - DA)
+
+
+def _prec(t: torch.Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def _counts(idx_BTK: torch.Tensor) -> torch.Tensor:
+    return (idx_BTK >= 0).sum(-1, dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# indexer scores and top-k
+
+
+@triton.jit
+def _index_keys(Q, Kx, W, STARTS, OUT, t0, t1, T, scale, J: tl.constexpr,
+                DH: tl.constexpr, DH_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    pm, pn, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = t0 + pm * BM + tl.arange(0, BM)
+    cols = pn * BN + tl.arange(0, BN)
+    row_ok = rows < t1
+    col_ok = cols < t1
+    starts = tl.load(STARTS + b * T + rows, mask=row_ok, other=0)
+    lo = tl.min(tl.where(row_ok, starts, 2147483647), 0)
+    hi = tl.max(tl.where(row_ok, rows, -1), 0)
+    d = tl.arange(0, DH_PAD)
+    dm = d < DH
+    acc = tl.zeros([BM, BN], tl.float32)
+    if (pn * BN <= hi) & (pn * BN + BN > lo):
+        k = tl.load(Kx + (b * T + cols[:, None]).to(tl.int64) * DH + d[None, :], mask=col_ok[:, None] & dm[None, :],
+                    other=0.0)
+        for j in range(J):
+            q = tl.load(Q + ((b * T + rows[:, None]).to(tl.int64) * J + j) * DH + d[None, :],
+                        mask=row_ok[:, None] & dm[None, :], other=0.0)
+            w = tl.load(W + (b * T + rows).to(tl.int64) * J + j, mask=row_ok, other=0.0).to(tl.float32)
+            dots = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            acc += w[:, None] * tl.maximum(dots, 0.0)
+    acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 would sort below +0.0
+    bits = acc.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+    allowed = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None])
+    none = tl.full([BM, BN], -2147483648, tl.int32).to(tl.int64) << 32
+    key = tl.where(allowed, key, none)
+    out = OUT + (b * (t1 - t0) + rows[:, None] - t0).to(tl.int64) * t1 + cols[None, :]
+    tl.store(out, key, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
+                 topk: int) -> torch.Tensor:
+    B, T, J, DH = q_BTJD.shape
+    K = min(topk, T)
+    q, k, w = q_BTJD.contiguous(), k_BSD.contiguous(), w_BTJ.contiguous()
+    starts = starts_BT.to(torch.int32).contiguous()
+    idx = torch.full((B, T, K), -1, dtype=torch.int32, device=q.device)
+    BM, BN = 64, 64
+    rows = max(BM, (2**31 // 8) // (B * T) // BM * BM)  # queries per chunk: at most 2 GiB of sort keys
+    for t0 in range(0, T, rows):
+        t1 = min(T, t0 + rows)
+        keys = torch.empty(B, t1 - t0, t1, dtype=torch.int64, device=q.device)
+        grid = (triton.cdiv(t1 - t0, BM), triton.cdiv(t1, BN), B)
+        _index_keys[grid](q, k, w, starts, keys, t0, t1, T, DH ** -0.5, J=J, DH=DH, DH_PAD=_pow2(DH), BM=BM, BN=BN,
+                          PREC=_prec(q))
+        best = keys.topk(min(K, t1), dim=-1, sorted=False).values
+        pos = torch.where(best == NONE, -1, 0x7FFFFFFF - (best & 0xFFFFFFFF)).to(torch.int32)
+        idx[:, t0:t1, :pos.shape[-1]] = pos.sort(-1, descending=True).values
+    return idx
+
+
+# --------------------------------------------------------------------------------------------
+# sparse attention
+
+
+@triton.jit
+def _rows(X, row, ok, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
+    """Rows of X [*, D] as two tiles: dims [0, DA) and [DA, DA + DB) (masked past D)."""
+    da = tl.arange(0, DA)
+    db = DA + tl.arange(0, DB)
+    a = tl.load(X + row[:, None] * D + da[None, :], mask=ok[:, None], other=0.0)
+    b = tl.load(X + row[:, None] * D + db[None, :], mask=ok[:, None] & (db[None, :] < D), other=0.0)
+    return a, b
+
+
+@triton.jit
+def _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK: tl.constexpr):
+    """Block k0 of query t's selected keys: which are real, and their rows in K [B*T*G, D]."""
+    kk = k0 + tl.arange(0, BK)
+    ok = kk < cnt
+    idx = tl.load(IDX + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0)
+    return kk, ok, (b * T + idx).to(tl.int64) * G + g
+
+
+@triton.jit
+def _attn_fwd(Q, Kk, V, IDX, CNT, O, LSE, T, NK, scale2, H: tl.constexpr, G: tl.constexpr,
+              D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
+              BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """A program per (query, key head, block of BH query heads x EB value dims)."""
+    t, bg, he = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, g = bg // G, bg % G
+    HG: tl.constexpr = H // G
+    NE: tl.constexpr = (E + EB - 1) // EB
+    heads = (he // NE) * BH + tl.arange(0, BH)
+    e = (he % NE) * EB + tl.arange(0, EB)
+    h_ok = heads < HG
+    qrow = (b * T + t).to(tl.int64) * H + g * HG + heads
+    qa, qb = _rows(Q, qrow, h_ok, D, DA, DB)
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, EB], tl.float32)
+    cnt = tl.load(CNT + b * T + t)
+    for k0 in range(0, cnt, BK):
+        kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
+        ka, kb = _rows(Kk, krow, ok, D, DA, DB)
+        s = tl.dot(qa, tl.trans(ka), input_precision=PREC) + tl.dot(qb, tl.trans(kb), input_precision=PREC)
+        s = tl.where(ok[None, :], s * scale2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+    l_safe = tl.where(l > 0, l, 1.0)
+    tl.store(O + qrow[:, None] * E + e[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
+             mask=h_ok[:, None] & (e[None, :] < E))
+    if he % NE == 0:
+        tl.store(LSE + qrow, m + tl.log2(l_safe), mask=h_ok)
+
+
+@triton.jit
+def _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC: tl.constexpr):
+    """Probabilities p and score gradients ds (w.r.t. scale * q . k) of a head block and a key block."""
+    s = (tl.dot(qa, tl.trans(ka), input_precision=PREC) + tl.dot(qb, tl.trans(kb), input_precision=PREC)) * scale2
+    p = tl.where(ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def _head_block(Q, DO, LSE, DELTA, b, t, T, g, h0, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                DA: tl.constexpr, DB: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BH: tl.constexpr):
+    HG: tl.constexpr = H // G
+    heads = h0 + tl.arange(0, BH)
+    h_ok = heads < HG
+    qrow = (b * T + t).to(tl.int64) * H + g * HG + heads
+    qa, qb = _rows(Q, qrow, h_ok, D, DA, DB)
+    e = tl.arange(0, E_PAD)
+    do = tl.load(DO + qrow[:, None] * E + e[None, :], mask=h_ok[:, None] & (e[None, :] < E), other=0.0)
+    lse = tl.load(LSE + qrow, mask=h_ok, other=float("inf"))  # p = 0 on padding heads
+    delta = tl.load(DELTA + qrow, mask=h_ok, other=0.0)
+    return qrow, h_ok, qa, qb, do, lse, delta
+
+
+@triton.jit
+def _attn_bwd_dq(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DQ, T, NK, scale, scale2, H: tl.constexpr, G: tl.constexpr,
+                 D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                 BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """A program per (query, key head, block of BH query heads): dq, no atomics."""
+    t, bg, hb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, g = bg // G, bg % G
+    qrow, h_ok, qa, qb, do, lse, delta = _head_block(Q, DO, LSE, DELTA, b, t, T, g, hb * BH, H, G, D, DA, DB, E,
+                                                     E_PAD, BH)
+    e = tl.arange(0, E_PAD)
+    dqa = tl.zeros([BH, DA], tl.float32)
+    dqb = tl.zeros([BH, DB], tl.float32)
+    cnt = tl.load(CNT + b * T + t)
+    for k0 in range(0, cnt, BK):
+        kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
+        ka, kb = _rows(Kk, krow, ok, D, DA, DB)
+        v = tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
+        p, ds = _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC)
+        dqa += tl.dot(ds.to(ka.dtype), ka, input_precision=PREC)
+        dqb += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
+    da = tl.arange(0, DA)
+    db = DA + tl.arange(0, DB)
+    tl.store(DQ + qrow[:, None] * D + da[None, :], (dqa * scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(DQ + qrow[:, None] * D + db[None, :], (dqb * scale).to(DQ.dtype.element_ty),
+             mask=h_ok[:, None] & (db[None, :] < D))
+
+
+@triton.jit
+def _attn_bwd_dkv(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DK, DV, T, NK, scale, scale2, H: tl.constexpr,
+                  G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, E: tl.constexpr,
+                  E_PAD: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """A program per (query, key head): dk and dv of each selected key summed over the group's
+    query heads in registers, then one fp32 atomic add per key."""
+    t, bg = tl.program_id(0), tl.program_id(1)
+    b, g = bg // G, bg % G
+    HG: tl.constexpr = H // G
+    da = tl.arange(0, DA)
+    db = DA + tl.arange(0, DB)
+    e = tl.arange(0, E_PAD)
+    cnt = tl.load(CNT + b * T + t)
+    for k0 in range(0, cnt, BK):
+        kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
+        ka, kb = _rows(Kk, krow, ok, D, DA, DB)
+        v = tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
+        dka = tl.zeros([BK, DA], tl.float32)
+        dkb = tl.zeros([BK, DB], tl.float32)
+        dv = tl.zeros([BK, E_PAD], tl.float32)
+        for h0 in range(0, HG, BH):
+            qrow, h_ok, qa, qb, do, lse, delta = _head_block(Q, DO, LSE, DELTA, b, t, T, g, h0, H, G, D, DA, DB, E,
+                                                             E_PAD, BH)
+            p, ds = _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+            dka += tl.dot(tl.trans(ds.to(qa.dtype)), qa, input_precision=PREC)
+            dkb += tl.dot(tl.trans(ds.to(qb.dtype)), qb, input_precision=PREC)
+        tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka * scale, mask=ok[:, None], sem="relaxed")
+        tl.atomic_add(DK + krow[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D),
+                      sem="relaxed")
+        tl.atomic_add(DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E), sem="relaxed")
+
+
+@triton.jit
+def _attn_weights(Q, Kk, IDX, CNT, LSE, P, T, NK, scale2, H: tl.constexpr, G: tl.constexpr,
+                  D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                  PREC: tl.constexpr):
+    """A program per query: its probabilities on each selected key, averaged over all heads."""
+    t, b = tl.program_id(0), tl.program_id(1)
+    HG: tl.constexpr = H // G
+    cnt = tl.load(CNT + b * T + t)
+    for k0 in range(0, cnt, BK):
+        total = tl.zeros([BK], tl.float32)
+        for g in range(G):
+            kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
+            ka, kb = _rows(Kk, krow, ok, D, DA, DB)
+            for h0 in range(0, HG, BH):
+                heads = h0 + tl.arange(0, BH)
+                h_ok = heads < HG
+                qrow = (b * T + t).to(tl.int64) * H + g * HG + heads
+                qa, qb = _rows(Q, qrow, h_ok, D, DA, DB)
+                s = tl.dot(qa, tl.trans(ka), input_precision=PREC) + tl.dot(qb, tl.trans(kb), input_precision=PREC)
+                lse = tl.load(LSE + qrow, mask=h_ok, other=float("inf"))
+                total += tl.sum(tl.where(ok[None, :], tl.exp2(s * scale2 - lse[:, None]), 0.0), 0)
+        kk = k0 + tl.arange(0, BK)
+        tl.store(P + (b * T + t).to(tl.int64) * NK + kk, total / H, mask=kk < cnt)
+
+
+# block sizes and warps per kernel; bench/dsa.py --tune measures others
+CONFIG = {"fwd": dict(BH=16, EB=512, BK=32, num_warps=4), "dq": dict(BH=16, BK=32, num_warps=4),
+          "dkv": dict(BH=32, BK=32, num_warps=8), "weights": dict(BH=16, BK=32, num_warps=4)}
+
+
+def _attn_meta(q, k, v):
+    B, T, H, D = q.shape
+    G, E = k.shape[2], v.shape[-1]
+    DA, DB = _split(D)
+    return dict(H=H, G=G, D=D, DA=DA, DB=DB, E=E, PREC=_prec(q)), (B, T, H, G, E)
+
+
+def _bh(cfg: dict, HG: int, x: torch.Tensor) -> dict:
+    """The head block never larger than the group (16 at least, for the dot products); blocks
+    halved for fp32 inputs, whose tiles take twice the shared memory."""
+    cfg = {**cfg, "BH": min(cfg["BH"], _pow2(HG))}
+    if x.element_size() == 4:
+        cfg.update(BH=max(16, cfg["BH"] // 2), BK=max(16, cfg["BK"] // 2))
+    return cfg
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, idx, scale, with_weights):
+        q, k, v, idx = q.contiguous(), k.contiguous(), v.contiguous(), idx.to(torch.int32).contiguous()
+        meta, (B, T, H, G, E) = _attn_meta(q, k, v)
+        NK = idx.shape[-1]
+        cnt = _counts(idx)
+        o = torch.empty(B, T, H, E, dtype=q.dtype, device=q.device)
+        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+        scale2 = scale * math.log2(math.e)
+        cfg = _bh(CONFIG["fwd"], H // G, q)
+        cfg["EB"] = min(cfg["EB"], _pow2(E))
+        blocks = triton.cdiv(H // G, cfg["BH"]) * triton.cdiv(E, cfg["EB"])
+        _attn_fwd[(T, B * G, blocks)](q, k, v, idx, cnt, o, lse, T, NK, scale2, **meta, **cfg)
+        ctx.save_for_backward(q, k, v, idx, cnt, o, lse)
+        ctx.scale = scale
+        if not with_weights:
+            return o, None
+        p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device)
+        meta_w = {n: meta[n] for n in ("H", "G", "D", "DA", "DB", "PREC")}
+        _attn_weights[(T, B)](q, k, idx, cnt, lse, p, T, NK, scale2, **meta_w, **_bh(CONFIG["weights"], H // G, q))
+        ctx.mark_non_differentiable(p)
+        return o, p
+
+    @staticmethod
+    def backward(ctx, do, _dp):
+        q, k, v, idx, cnt, o, lse = ctx.saved_tensors
+        meta, (B, T, H, G, E) = _attn_meta(q, k, v)
+        meta["E_PAD"] = _pow2(E)
+        NK = idx.shape[-1]
+        do = do.contiguous()
+        delta = (do.float() * o.float()).sum(-1)
+        dq = torch.empty_like(q)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        scale, scale2 = ctx.scale, ctx.scale * math.log2(math.e)
+        cfg = _bh(CONFIG["dq"], H // G, q)
+        _attn_bwd_dq[(T, B * G, triton.cdiv(H // G, cfg["BH"]))](q, k, v, idx, cnt, do, lse, delta, dq, T, NK, scale,
+                                                                 scale2, **meta, **cfg)
+        _attn_bwd_dkv[(T, B * G)](q, k, v, idx, cnt, do, lse, delta, dk, dv, T, NK, scale, scale2, **meta,
+                                  **_bh(CONFIG["dkv"], H // G, q))
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def sparse_attention(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGE: torch.Tensor, idx_BTK: torch.Tensor,
+                     scale: float, with_weights: bool = False):
+    dt = q_BTHD.dtype
+    o, p = _SparseAttention.apply(q_BTHD, k_BSGD.to(dt), v_BSGE.to(dt), idx_BTK, scale, with_weights)
+    return (o, p) if with_weights else o
+
+
+# --------------------------------------------------------------------------------------------
+# the indexer's KL loss
+
+
+@triton.jit
+def _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J: tl.constexpr,
+                DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr, PREC: tl.constexpr):
+    j = tl.arange(0, J_PAD)
+    d = tl.arange(0, DH_PAD)
+    q = tl.load(Q + ((b * T + t).to(tl.int64) * J + j[:, None]) * DH + d[None, :],
+                mask=(j[:, None] < J) & (d[None, :] < DH), other=0.0)
+    k = tl.load(Kx + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], mask=ok[:, None] & (d[None, :] < DH),
+                other=0.0)
+    w = tl.load(W + (b * T + t).to(tl.int64) * J + j, mask=j < J, other=0.0).to(tl.float32)
+    dots = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [J_PAD, BK]
+    scores = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
+    return q, k, w, dots, tl.where(ok, scores, float("-inf"))
+
+
+@triton.jit
+def _kl_fwd(Q, Kx, W, IDX, CNT, P, LOSS, LSE, PSUM, T, NK, scale, J: tl.constexpr,
+            DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    t, b = tl.program_id(0), tl.program_id(1)
+    cnt = tl.load(CNT + b * T + t)
+    m = tl.full([BK], float("-inf"), tl.float32)  # per lane: a running logsumexp and the sums of p terms
+    l = tl.zeros([BK], tl.float32)
+    p_s = tl.zeros([BK], tl.float32)
+    p_logp = tl.zeros([BK], tl.float32)
+    p_sum = tl.zeros([BK], tl.float32)
+    for k0 in range(0, cnt, BK):
+        kk = k0 + tl.arange(0, BK)
+        ok = kk < cnt
+        idx = tl.load(IDX + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0)
+        _q, _k, _w, _d, s = _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J, DH, DH_PAD, J_PAD, PREC)
+        p = tl.load(P + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0.0)
+        m_new = tl.maximum(m, s)
+        l = l * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(ok, tl.exp(s - m_new), 0.0)
+        m = m_new
+        pos = ok & (p > 0)
+        p_s += tl.where(pos, p * s, 0.0)
+        p_logp += tl.where(pos, p * tl.log(tl.where(pos, p, 1.0)), 0.0)
+        p_sum += tl.where(pos, p, 0.0)
+    top = tl.max(m, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    lse = top + tl.log(tl.maximum(tl.sum(l * tl.exp(m - top), 0), 1e-30))
+    total = tl.sum(p_sum, 0)
+    tl.store(LOSS + b * T + t, tl.sum(p_logp, 0) - tl.sum(p_s, 0) + total * lse)
+    tl.store(LSE + b * T + t, lse)
+    tl.store(PSUM + b * T + t, total)
+
+
+@triton.jit
+def _kl_bwd(Q, Kx, W, IDX, CNT, P, LSE, PSUM, GRAD, DQ, DK, DW, T, NK, scale, inv_B, J: tl.constexpr,
+            DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    t, b = tl.program_id(0), tl.program_id(1)
+    cnt = tl.load(CNT + b * T + t)
+    lse = tl.load(LSE + b * T + t)
+    total = tl.load(PSUM + b * T + t)
+    grad = tl.load(GRAD).to(tl.float32) * inv_B
+    j = tl.arange(0, J_PAD)
+    d = tl.arange(0, DH_PAD)
+    dq = tl.zeros([J_PAD, DH_PAD], tl.float32)
+    dw = tl.zeros([J_PAD], tl.float32)
+    for k0 in range(0, cnt, BK):
+        kk = k0 + tl.arange(0, BK)
+        ok = kk < cnt
+        idx = tl.load(IDX + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0)
+        q, k, w, dots, s = _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J, DH, DH_PAD, J_PAD, PREC)
+        p = tl.load(P + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0.0)
+        p = tl.where(p > 0, p, 0.0)
+        ds = tl.where(ok, grad * (total * tl.exp(s - lse) - p), 0.0)  # d loss / d score
+        dw += tl.sum(tl.maximum(dots, 0.0) * ds[None, :], 1)
+        dd = tl.where(dots > 0, w[:, None] * ds[None, :], 0.0) * scale  # d loss / d (q . k), [J_PAD, BK]
+        dq += tl.dot(dd.to(k.dtype), k, input_precision=PREC)
+        dk = tl.dot(tl.trans(dd.to(q.dtype)), q, input_precision=PREC)
+        tl.atomic_add(DK + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], dk,
+                      mask=ok[:, None] & (d[None, :] < DH), sem="relaxed")
+    row = (b * T + t).to(tl.int64) * J + j
+    tl.store(DQ + row[:, None] * DH + d[None, :], dq.to(DQ.dtype.element_ty), mask=(j[:, None] < J) & (d[None, :] < DH))
+    tl.store(DW + row, dw.to(DW.dtype.element_ty), mask=j < J)
+
+
+def _kl_meta(q):
+    J, DH = q.shape[2], q.shape[3]
+    return dict(DH=DH, DH_PAD=_pow2(DH), J_PAD=_pow2(J), BK=32 if J <= 32 else 16, PREC=_prec(q))
+
+
+class _IndexerKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, w, idx, p):
+        q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
+        idx, p = idx.to(torch.int32).contiguous(), p.detach().float().contiguous()
+        B, T, J, DH = q.shape
+        cnt = _counts(idx)
+        loss, lse, psum = (torch.empty(B, T, dtype=torch.float32, device=q.device) for _ in range(3))
+        _kl_fwd[(T, B)](q, k, w, idx, cnt, p, loss, lse, psum, T, idx.shape[-1], DH ** -0.5, J=J, **_kl_meta(q))
+        ctx.save_for_backward(q, k, w, idx, cnt, p, lse, psum)
+        return loss.sum() / B
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, w, idx, cnt, p, lse, psum = ctx.saved_tensors
+        B, T, J, DH = q.shape
+        dq, dw = torch.empty_like(q), torch.empty_like(w)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        _kl_bwd[(T, B)](q, k, w, idx, cnt, p, lse, psum, grad.contiguous(), dq, dk, dw, T, idx.shape[-1],
+                        DH ** -0.5, 1.0 / B, J=J, **_kl_meta(q))
+        return dq, dk.to(k.dtype), dw, None, None
+
+
+def indexer_kl_loss(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, idx_BTK: torch.Tensor,
+                    p_BTK: torch.Tensor) -> torch.Tensor:
+    return _IndexerKL.apply(q_BTJD, k_BSD, w_BTJ, idx_BTK, p_BTK)

@@ -1,0 +1,173 @@
+"""The Triton DSA kernels against the float64 reference on fresh random inputs: the top-k
+selection, the sparse attention (output, indexer target, every gradient), the indexer's KL loss
+(value and every gradient); multi-query (MLA absorbed), grouped and per-head keys, packed
+documents, ragged counts; fp32 and bf16 (ARCHITECTURE.md's tolerances). On a CPU these run
+through Triton's interpreter at the small shapes (tests/unit/test_kernels_interpreted.py)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1":
+    import tests.interpret  # noqa: F401  (before triton)
+    DEVICE = "cpu"
+else:
+    DEVICE = "cuda"
+
+from kernels.dsa import reference as R  # noqa: E402
+from tests.tolerance import rel  # noqa: E402
+
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                                reason="needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
+gpu_only = pytest.mark.skipif(DEVICE == "cpu", reason="too large for the interpreter")
+
+# B, T, J, DH, topk, packed documents
+INDEX = [(1, 37, 3, 16, 8, False), (2, 90, 8, 32, 16, True),
+         pytest.param(1, 2100, 64, 128, 2048, False, marks=gpu_only),
+         pytest.param(2, 1300, 16, 64, 512, True, marks=gpu_only)]
+# B, T, H, G, D, E, topk, packed documents
+ATTN = [(1, 37, 4, 1, 24, 16, 8, False), (2, 70, 4, 4, 24, 16, 8, True), (1, 50, 32, 2, 80, 64, 64, False),
+        pytest.param(1, 1500, 16, 1, 576, 512, 512, False, marks=gpu_only),
+        pytest.param(2, 700, 8, 8, 192, 128, 256, True, marks=gpu_only),
+        pytest.param(1, 300, 128, 1, 576, 512, 2048, False, marks=gpu_only)]
+
+
+def starts(B: int, T: int, packed: bool) -> torch.Tensor:
+    s = torch.zeros(B, T, dtype=torch.long, device=DEVICE)
+    if packed:  # three documents of uneven lengths
+        s[:, T // 5:] = T // 5
+        s[:, T // 2 + 3:] = T // 2 + 3
+    return s
+
+
+def indexer_inputs(B, T, J, DH, dtype, seed, exact_dots=False):
+    """Random index queries, keys and weights. ``exact_dots``: q and k on a grid of quarters, so
+    that every q . k is exact in fp32 and bf16 and the ReLU switches at the same place in the
+    kernel and in the float64 reference (a dot within rounding of 0 would otherwise switch one
+    term of a gradient on or off, an error of the function, not of the kernel)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(B, T, J, DH, device=DEVICE, generator=g)
+    k = torch.randn(B, T, DH, device=DEVICE, generator=g)
+    if exact_dots:
+        q, k = (q * 4).round().clamp(-8, 8) / 4, (k * 4).round().clamp(-8, 8) / 4
+    q, k = q.to(dtype), k.to(dtype)
+    w = (torch.randn(B, T, J, device=DEVICE, generator=g) * J ** -0.5).to(dtype)
+    return q, k, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,J,DH,topk,packed", INDEX)
+def test_topk_selects_the_best_keys(B, T, J, DH, topk, packed, dtype):
+    from kernels.dsa.triton import indexer_topk
+
+    q, k, w = indexer_inputs(B, T, J, DH, dtype, seed=T)
+    st = starts(B, T, packed)
+    idx = indexer_topk(q, k, w, st, topk)
+    scores = R.indexer_scores(q.double(), k.double(), w.double(), st)
+    allowed = R.allowed_keys(st, T)
+    count = allowed.sum(-1).clamp_max(topk)
+    assert idx.shape == (B, T, min(topk, T)) and idx.dtype == torch.int32
+    assert ((idx >= 0).sum(-1) == count).all()  # as many as allowed, up to k
+    valid = idx >= 0
+    assert (valid[..., :-1] | ~valid[..., 1:]).all()  # valid entries first
+    pos = idx.clamp_min(0).long()
+    assert torch.gather(allowed, -1, pos)[valid].all()
+    chosen = torch.gather(scores, -1, pos).masked_fill(~valid, float("inf")).min(-1).values
+    kth = scores.topk(min(topk, T), -1).values.gather(-1, (count - 1)[..., None])[..., 0]
+    slack = 1e-5 * scores[allowed].abs().max()  # fp32 sums in another order: only near-ties may swap
+    assert (chosen >= kth - slack).all()
+    want = R.indexer_topk(q.double(), k.double(), w.double(), st, topk)
+    assert (idx == want).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,H,G,D,E,topk,packed", ATTN)
+def test_sparse_attention_matches_the_reference(B, T, H, G, D, E, topk, packed, dtype):
+    from kernels.dsa.triton import indexer_topk, sparse_attention
+
+    st = starts(B, T, packed)
+    idx = indexer_topk(*indexer_inputs(B, T, 4, 16, torch.float32, seed=1), st, topk)
+    g = torch.Generator(device=DEVICE).manual_seed(D + T)
+    q = torch.randn(B, T, H, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, T, G, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, T, G, E, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    do = torch.randn(B, T, H, E, device=DEVICE, generator=g).to(dtype)
+    scale = D ** -0.5
+    o, p = sparse_attention(q, k, v, idx, scale, with_weights=True)
+    o.backward(do)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    o64, p64 = R.sparse_attention(q64, k64, v64, idx, scale, with_weights=True)
+    o64.backward(do.double())
+    assert o.dtype == dtype and o.shape == (B, T, H, E) and p.dtype == torch.float32
+    tol = TOL[dtype]
+    assert rel(o, o64) < tol and rel(p, p64) < tol
+    assert rel(q.grad, q64.grad) < tol and rel(k.grad, k64.grad) < tol and rel(v.grad, v64.grad) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,J,DH,topk,packed", INDEX)
+def test_indexer_loss_matches_the_reference(B, T, J, DH, topk, packed, dtype):
+    from kernels.dsa.triton import indexer_kl_loss, indexer_topk
+
+    q, k, w = indexer_inputs(B, T, J, DH, dtype, seed=T + 1, exact_dots=True)
+    st = starts(B, T, packed)
+    idx = indexer_topk(q, k, w, st, topk)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    logits = torch.randn(B, T, idx.shape[-1], device=DEVICE, generator=g).masked_fill(idx < 0, float("-inf"))
+    p = torch.softmax(logits, -1)  # a target on the selected keys
+    for x in (q, k, w):
+        x.requires_grad_()
+    loss = indexer_kl_loss(q, k, w, idx, p)
+    (loss * 0.7).backward()
+    q64, k64, w64 = (x.detach().double().requires_grad_() for x in (q, k, w))
+    want = R.indexer_kl_loss(q64, k64, w64, idx, p.double())
+    (want * 0.7).backward()
+    tol = TOL[dtype]
+    assert loss.shape == () and rel(loss, want) < tol
+    assert rel(q.grad, q64.grad) < tol and rel(k.grad, k64.grad) < tol and rel(w.grad, w64.grad) < tol
+
+
+def test_topk_at_least_the_length_is_dense_causal_attention():
+    from kernels.dsa.triton import indexer_topk, sparse_attention
+
+    B, T, H, D = 2, 45, 4, 32
+    idx = indexer_topk(*indexer_inputs(B, T, 2, 16, torch.float32, seed=3), starts(B, T, False), T)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    q, k, v = (torch.randn(B, T, H, D, device=DEVICE, generator=g) for _ in range(3))
+    got = sparse_attention(q, k, v, idx, D ** -0.5)
+    want = F.scaled_dot_product_attention(*(x.transpose(1, 2).double() for x in (q, k, v)), is_causal=True)
+    assert rel(got, want.transpose(1, 2)) < 1e-5
+
+
+@gpu_only
+def test_dispatch_and_the_model(monkeypatch):
+    """The DSA block on CUDA (kernels) equals itself with KILN_KERNELS=reference: output,
+    indexer loss and every parameter's gradient."""
+    from engine.model.dsa import GatedDSAttention
+
+    torch.manual_seed(0)
+    m = GatedDSAttention(hidden=256, heads=8, q_lora_rank=64, kv_lora_rank=128, qk_nope=32, qk_rope=16, v_dim=32,
+                         index_heads=8, index_head_dim=32, index_topk=64).cuda().train()
+    x = torch.randn(2, 200, 256, device="cuda")
+    docs = torch.tensor([[0] * 80 + [1] * 120, [0] * 200], device="cuda")
+    pos = torch.cat([torch.arange(80), torch.arange(120)]).cuda()[None].expand(2, -1)
+    dy = torch.randn(2, 200, 256, device="cuda")
+
+    def run():
+        m.zero_grad()
+        out = m(x, pos, docs)
+        (out * dy).sum().backward()
+        m.last_indexer_loss.backward()
+        return out.detach(), float(m.last_indexer_loss), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    out, loss, grads = run()
+    monkeypatch.setenv("KILN_KERNELS", "reference")
+    out_r, loss_r, grads_r = run()
+    assert rel(out, out_r) < 1e-4 and abs(loss - loss_r) < 1e-4 * abs(loss_r)
+    for n in grads:
+        assert rel(grads[n], grads_r[n]) < 1e-4, n
