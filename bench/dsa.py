@@ -18,27 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.cuda_time import median_ms
 from kernels.dsa import triton as fused
 
 
-def timed(fn, reps: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def timed(fn) -> float:
+    return median_ms(fn, reps=3, warmup=1)
 
 
 def gather_topk(qi, ki, w, topk, chunk):

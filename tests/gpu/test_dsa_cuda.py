@@ -5,26 +5,17 @@ documents, ragged counts; fp32 and bf16 (ARCHITECTURE.md's tolerances). On a CPU
 through Triton's interpreter at the small shapes (tests/unit/test_kernels_interpreted.py)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1":
-    import tests.interpret  # noqa: F401  (before triton)
-    DEVICE = "cpu"
-else:
-    DEVICE = "cuda"
+from kernels.dsa import reference as R
+from tests.interpret import DEVICE, gpu_only, needs_kernels
+from tests.tolerance import rel
 
-from kernels.dsa import reference as R  # noqa: E402
-from tests.tolerance import rel  # noqa: E402
-
-pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                                reason="needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+pytestmark = needs_kernels
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
-gpu_only = pytest.mark.skipif(DEVICE == "cpu", reason="too large for the interpreter")
 
 # B, T, J, DH, topk, packed documents
 INDEX = [(1, 37, 3, 16, 8, False), (2, 90, 8, 32, 16, True),
