@@ -3,7 +3,9 @@ realistic shapes: the per-expert loop (kernels/moe/reference.py), torch._grouped
 (kernels/moe/grouped.py, today's CUDA path) and, as the ceiling, one dense bf16 GEMM chain of the
 same FLOPs, in one run.
 
-    python3 -m bench.moe        # tokens 16k / 64k, experts 64 / 256, top-8, D 2048, I 1024, bf16
+    python3 -m bench.moe        # tokens 16k / 64k, experts 64 / 256, top-8 / 16, D 2048, I 1024, bf16
+    python3 -m bench.moe --tune # first the Triton grouped GEMM's block sizes (16k tokens, 64 experts), then
+                                # the table with the best
 
 Rows per expert follow a random router (softmax of Gaussian logits, top-k), so groups are uneven
 as in training. 18 M D I FLOPs a call (M = tokens * k). Median of 5 timed calls after 2.
@@ -13,85 +15,135 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.cuda_time import median_ms
 from kernels.moe import grouped, reference
+from kernels.moe import triton as fused
 
 
 def swiglu(g, u):
     return F.silu(g) * u
 
 
-def timed(fn, params, reps=5) -> float:
+def timed(fn, params) -> float:
     def call():
         for p in params:
             p.grad = None
         fn().float().sum().backward()
 
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        call()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(call, reps=5, warmup=2)
+
+
+def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
+    """The tokens' rows to expert order and back with routing weights, forward + backward."""
+    idx = torch.randn(N, E, device="cuda", generator=g).topk(k, -1)[1]
+    x = torch.randn(N, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(N, k, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+    order = torch.argsort(idx.flatten(), stable=True)
+    tok = order // k
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device="cuda")
+    inv = inv.view(N, k)
+
+    def torch_way():
+        y = x[tok] * 1.5  # stands in for the experts
+        return torch.zeros_like(x).index_add_(0, tok, y * w.reshape(-1)[order, None])
+
+    def triton_way():
+        return fused.unpermute(fused.permute(x, tok, inv) * 1.5, inv, w)
+
+    return {"tokens": N, "experts": E, "top_k": k, "torch_ms": timed(torch_way, [x, w]),
+            "triton_ms": timed(triton_way, [x, w])}
+
+
+def tune(D: int, I: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, E, k = 16384, 64, 8
+    idx = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, -1)[1].flatten()
+    counts = torch.bincount(idx, minlength=E)
+    x = torch.randn(int(counts.sum()), D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+    W1 = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
+    W2 = (torch.randn(E, D, I, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
+    base = timed(lambda: grouped.grouped_mlp(x, counts, W1, W2, swiglu), [x, W1, W2])
+    print(f"torch._grouped_mm: {base:.2f} ms")
+    best, best_ms = dict(fused.CONFIG), float("inf")
+    for BM, BN, BK, warps, stages in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+                                      (64, 128, 64, 4, 4), (128, 128, 128, 8, 2), (256, 128, 64, 8, 3),
+                                      (128, 64, 64, 4, 4)]:
+        cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+        fused.CONFIG.update(cfg)
+        try:
+            t = timed(lambda: fused.grouped_mlp(x, counts, W1, W2, swiglu), [x, W1, W2])
+        except Exception as err:  # too much shared memory
+            print(f"{cfg}: failed ({str(err)[:80]})", flush=True)
+            continue
+        print(f"{cfg}: {t:.2f} ms ({base / t:.2f}x torch)", flush=True)
+        if t < best_ms:
+            best, best_ms = cfg, t
+    return best
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
     p.add_argument("--experts", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--top-k", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--tune", action="store_true")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=1024)
     p.add_argument("--out", default="bench/results/moe.json")
     a = p.parse_args()
-    D, I, k = a.hidden, a.inter, a.top_k
-    rows = []
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; D={D}, I={I}, top-{k}, bf16, fwd+bwd")
-    print("| tokens | experts | method | ms | TFLOP/s | vs torch._grouped_mm | vs dense |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: |")
-    for N in a.tokens:
-        for E in a.experts:
-            g = torch.Generator(device="cuda").manual_seed(N + E)
-            idx = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, -1)[1].flatten()
-            counts = torch.bincount(idx, minlength=E)
-            M = int(counts.sum())
-            x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
-            W1 = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
-            W2 = (torch.randn(E, D, I, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
-            d1 = (torch.randn(D, 2 * I, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
-            d2 = (torch.randn(I, D, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
+    D, I = a.hidden, a.inter
+    rows, moves = [], []
+    if a.tune:
+        fused.CONFIG.update(tune(D, I))
+        print(f"with {fused.CONFIG}\n")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; D={D}, I={I}, bf16, fwd+bwd")
+    print("| tokens | experts | top-k | method | ms | TFLOP/s | vs torch._grouped_mm | vs dense |")
+    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    for N, E, k in [(N, E, k) for N in a.tokens for E in a.experts for k in a.top_k]:
+        g = torch.Generator(device="cuda").manual_seed(N + E)
+        idx = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, -1)[1].flatten()
+        counts = torch.bincount(idx, minlength=E)
+        M = int(counts.sum())
+        x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+        W1 = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
+        W2 = (torch.randn(E, D, I, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
+        d1 = (torch.randn(D, 2 * I, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
+        d2 = (torch.randn(I, D, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
 
-            def dense():
-                gate, up = (x @ d1).chunk(2, -1)
-                return swiglu(gate, up) @ d2
+        def dense():
+            gate, up = (x @ d1).chunk(2, -1)
+            return swiglu(gate, up) @ d2
 
-            methods = {"per-expert loop": lambda: reference.grouped_mlp(x, counts, W1, W2, swiglu),
-                       "torch._grouped_mm": lambda: grouped.grouped_mlp(x, counts, W1, W2, swiglu),
-                       "dense GEMMs (ceiling)": dense}
-            ms = {name: timed(fn, [x, W1, W2, d1, d2]) for name, fn in methods.items()}
-            flops = 18 * M * D * I
-            for name, t in ms.items():
-                row = {"tokens": N, "experts": E, "method": name, "ms": t, "tflops": flops / t / 1e9,
-                       "vs_grouped_mm": ms["torch._grouped_mm"] / t, "vs_dense": ms["dense GEMMs (ceiling)"] / t}
-                rows.append(row)
-                print(f"| {N} | {E} | {name} | {t:.2f} | {row['tflops']:.0f} | {row['vs_grouped_mm']:.2f}x | "
-                      f"{row['vs_dense']:.2f}x |")
-            del x, W1, W2, d1, d2
-            torch.cuda.empty_cache()
+        methods = {"per-expert loop": lambda: reference.grouped_mlp(x, counts, W1, W2, swiglu),
+                   "torch._grouped_mm": lambda: grouped.grouped_mlp(x, counts, W1, W2, swiglu),
+                   "Triton grouped GEMM": lambda: fused.grouped_mlp(x, counts, W1, W2, swiglu),
+                   "dense GEMMs (ceiling)": dense}
+        ms = {name: timed(fn, [x, W1, W2, d1, d2]) for name, fn in methods.items()}
+        flops = 18 * M * D * I
+        for name, t in ms.items():
+            row = {"tokens": N, "experts": E, "top_k": k, "method": name, "ms": t, "tflops": flops / t / 1e9,
+                   "vs_grouped_mm": ms["torch._grouped_mm"] / t, "vs_dense": ms["dense GEMMs (ceiling)"] / t}
+            rows.append(row)
+            print(f"| {N} | {E} | {k} | {name} | {t:.2f} | {row['tflops']:.0f} | {row['vs_grouped_mm']:.2f}x | "
+                  f"{row['vs_dense']:.2f}x |")
+        moves.append(move(N, E, k, D, g))
+        del x, W1, W2, d1, d2
+        torch.cuda.empty_cache()
+    print("\npermute + unpermute with routing weights, fwd+bwd")
+    print("| tokens | experts | top-k | torch ms (index, index_add_) | Triton ms | torch / Triton |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for m in moves:
+        print(f"| {m['tokens']} | {m['experts']} | {m['top_k']} | {m['torch_ms']:.2f} | {m['triton_ms']:.2f} | "
+              f"{m['torch_ms'] / m['triton_ms']:.2f}x |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                       "hidden": D, "inter": I, "top_k": k, "rows": rows}, indent=2))
+                                       "hidden": D, "inter": I, "rows": rows, "permute": moves}, indent=2))
 
 
 if __name__ == "__main__":

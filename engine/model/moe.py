@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.memory.swap_core import recomputing
 from engine.model.layers import RMSNorm, f32
+from kernels.dispatch import fast
 from kernels.moe import grouped_mlp
 
 
@@ -102,7 +103,16 @@ class Experts(nn.Module):
         flat = idx_NK.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // idx_NK.shape[1]
-        y = self.grouped(x_ND[tok], torch.bincount(flat, minlength=self.gate_up_proj.shape[0]))
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        if fast(x_ND):  # Triton: each token sums its k rows in one program (no atomics)
+            from kernels.moe import triton as moe_kernels
+
+            inv = torch.empty_like(order)
+            inv[order] = torch.arange(order.numel(), device=order.device)
+            inv = inv.view_as(idx_NK)
+            y = self.grouped(moe_kernels.permute(x_ND, tok, inv), counts)
+            return moe_kernels.unpermute(y, inv, w_NK.to(y.dtype)).to(x_ND.dtype)
+        y = self.grouped(x_ND[tok], counts)
         return torch.zeros_like(x_ND).index_add_(0, tok, y * w_NK.reshape(-1)[order, None].to(x_ND.dtype))
 
 

@@ -22,24 +22,30 @@ def usable(x_MD: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tenso
     return all(d % 8 == 0 for d in dims)
 
 
-def _gmm(x_MK: torch.Tensor, W_ENK: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+def gmm(x_MK: torch.Tensor, W_ENK: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of group e times W_e^T: [M, K] x [E, N, K] -> [M, N]."""
     return torch._grouped_mm(x_MK, W_ENK.to(torch.bfloat16).transpose(-2, -1), offs=offs)
 
 
-def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
-                act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+def mlp(gmm: Callable, x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor,
+        down_EDI: torch.Tensor, act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+    """The experts through a grouped GEMM ``gmm`` (torch's here, Triton's in triton.py), in bf16."""
     lora = lora or {}
     offs = counts_E.cumsum(0).to(torch.int32)
     with torch.autocast("cuda", enabled=False):
         x = x_MD.to(torch.bfloat16)
 
         def proj(name: str, W: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-            y = _gmm(h, W, offs)
+            y = gmm(h, W, offs)
             if name in lora:
                 A, B = lora[name]
-                y = y + _gmm(_gmm(h, A, offs), B, offs) * scaling
+                y = y + gmm(gmm(h, A, offs), B, offs) * scaling
             return y
 
         gate, up = proj("gate_up_proj", gate_up_E2ID, x).chunk(2, -1)
         return proj("down_proj", down_EDI, act(gate, up))  # bf16, as F.linear under autocast gives
+
+
+def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
+                act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+    return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)

@@ -35,3 +35,14 @@ def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.
         gate, up = proj("gate_up_proj", gate_up_E2ID, e, rows).chunk(2, -1)
         out.append(proj("down_proj", down_EDI, e, act(gate, up)))
     return torch.cat(out) if out else x_MD.new_zeros(0, down_EDI.shape[1])
+
+
+def permute(x_ND: torch.Tensor, tok_M: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
+    """The (token, slot) pairs' rows in expert order, [M, D]: row m is token tok[m]; ``inv_NK``
+    (each pair's row) is the fast version's and unused here."""
+    return x_ND[tok_M]
+
+
+def unpermute(y_MD: torch.Tensor, inv_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """Each token's k rows weighted and summed, [N, D]: sum_k w[t, k] y[inv[t, k]]."""
+    return (y_MD[inv_NK.long()] * w_NK[..., None].to(y_MD.dtype)).sum(1)

@@ -1,0 +1,234 @@
+"""The experts' data movement and GEMMs in Triton.
+
+- ``gmm``: the grouped GEMM, rows of group e times W_e^T ([M, K] x [E, N, K] -> [M, N]), with
+  its backward: dx by the same kernel on W_e (strides swapped, no transposed copy) and dW_e =
+  dy_e^T x_e by a kernel whose reduction runs over the group's rows. Tiles never straddle two
+  groups; the tile -> group table is built on the device from the offsets (no host sync), for at
+  most cdiv(M, BM) + E tiles, the unused ones exiting at once.
+- ``permute`` / ``unpermute``: the (token, slot) pairs in expert order and back. The combine
+  sums each token's k rows, weighted, in one program per token: no atomics, so the result does
+  not depend on scheduling (``index_add_`` does), and no [M, D] temporary of weighted rows.
+  ``inv_NK`` is each pair's row in expert order.
+
+Same signatures as ``reference.py`` (``grouped_mlp``) and ``grouped.py`` (``gmm``).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe.grouped import mlp
+from kernels.moe.reference import Lora
+
+CONFIG = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)  # the best of bench.moe --tune
+
+
+def _prec(t: torch.Tensor) -> str:
+    return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+def _config(x: torch.Tensor, **change) -> dict:
+    """CONFIG, with smaller tiles for fp32 inputs (twice the shared memory per tile)."""
+    cfg = {**CONFIG, **change}
+    if x.element_size() == 4:
+        cfg.update(BN=min(cfg["BN"], 128), num_stages=2)
+    return cfg
+
+
+@triton.jit
+def _gmm_rows(X, W, Y, TILE_E, TILE_ROW, OFFS, C, R, swe, swc, swr,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """Y[m, c] = sum_r X[m, r] W[e, c, r] for the rows m of one tile of group e."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(TILE_E + pid_m)
+    if e >= 0:
+        row0 = tl.load(TILE_ROW + pid_m)
+        end = tl.load(OFFS + e)
+        rows = row0 + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        r_ok = rows < end
+        c_ok = cols < C
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, R, BK):
+            kk = k0 + tl.arange(0, BK)
+            a = tl.load(X + rows[:, None].to(tl.int64) * R + kk[None, :], mask=r_ok[:, None] & (kk[None, :] < R),
+                        other=0.0)
+            b = tl.load(W + e.to(tl.int64) * swe + cols[None, :] * swc + kk[:, None] * swr,
+                        mask=c_ok[None, :] & (kk[:, None] < R), other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+        tl.store(Y + rows[:, None].to(tl.int64) * C + cols[None, :], acc.to(Y.dtype.element_ty),
+                 mask=r_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _gmm_weights(DY, X, DW, OFFS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PREC: tl.constexpr):
+    """DW[e] = DY_e^T X_e: the reduction over group e's rows."""
+    pid_n, pid_k, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
+    end = tl.load(OFFS + e)
+    ns = pid_n * BN + tl.arange(0, BN)
+    ks = pid_k * BK + tl.arange(0, BK)
+    acc = tl.zeros([BN, BK], tl.float32)
+    for m0 in range(start, end, BM):
+        rows = m0 + tl.arange(0, BM)
+        ok = rows < end
+        dy = tl.load(DY + rows[:, None].to(tl.int64) * N + ns[None, :], mask=ok[:, None] & (ns[None, :] < N), other=0.0)
+        x = tl.load(X + rows[:, None].to(tl.int64) * K + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
+        acc = tl.dot(tl.trans(dy), x, acc, input_precision=PREC)
+    tl.store(DW + e.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :], acc.to(DW.dtype.element_ty),
+             mask=(ns[:, None] < N) & (ks[None, :] < K))
+
+
+def _tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each row tile's group (-1: unused) and first row, on the device."""
+    E = offs.shape[0]
+    starts = torch.cat([offs.new_zeros(1), offs[:-1]])
+    per = (offs - starts + BM - 1) // BM
+    ends = per.cumsum(0)
+    n = triton.cdiv(M, BM) + E
+    t = torch.arange(n, device=offs.device, dtype=offs.dtype)
+    e = torch.searchsorted(ends, t, right=True)
+    used = e < E
+    e = e.clamp_max(E - 1)
+    row = starts[e] + (t - (ends[e] - per[e])) * BM
+    return torch.where(used, e, -1).to(torch.int32), row.to(torch.int32), n
+
+
+def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """x [M, R] times W_e^T (W [E, C, R]) or, with ``transpose``, times W_e (W [E, R, C])."""
+    M, R = x.shape
+    C = W.shape[2] if transpose else W.shape[1]
+    swe, s1, s2 = W.stride()
+    swc, swr = (s2, s1) if transpose else (s1, s2)
+    cfg = _config(x)
+    tile_e, tile_row, n = _tiles(offs, M, cfg["BM"])
+    y = torch.empty(M, C, dtype=x.dtype, device=x.device)
+    if M:
+        _gmm_rows[(n, triton.cdiv(C, cfg["BN"]))](x, W, y, tile_e, tile_row, offs, C, R, swe, swc, swr,
+                                                   PREC=_prec(x), **cfg)
+    return y
+
+
+class _GMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, W, offs):
+        x, W = x.contiguous(), W.contiguous()
+        ctx.save_for_backward(x, W, offs)
+        return _rows_gemm(x, W, offs, transpose=False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, W, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = _rows_gemm(dy, W, offs, transpose=True) if ctx.needs_input_grad[0] else None
+        dW = None
+        if ctx.needs_input_grad[1]:
+            E, N, K = W.shape
+            dW = torch.empty_like(W)
+            cfg = _config(x, BM=64)
+            _gmm_weights[(triton.cdiv(N, cfg["BN"]), triton.cdiv(K, cfg["BK"]), E)](dy, x, dW, offs, N, K,
+                                                                                   PREC=_prec(x), **cfg)
+        return dx, dW, None
+
+
+def gmm(x_MK: torch.Tensor, W_ENK: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of group e times W_e^T: [M, K] x [E, N, K] -> [M, N] (``offs``: the groups' ends, int32)."""
+    return _GMM.apply(x_MK, W_ENK.to(x_MK.dtype), offs)
+
+
+def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
+                act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+    return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
+
+
+# --------------------------------------------------------------------------------------------
+# permute / unpermute
+
+
+@triton.jit
+def _combine(Y, INV, WT, OUT, D, K: tl.constexpr, BD: tl.constexpr, WEIGHTED: tl.constexpr):
+    """OUT[t] = sum_k w[t, k] Y[inv[t, k]] (w = 1 unless WEIGHTED)."""
+    t, blk = tl.program_id(0), tl.program_id(1)
+    d = blk * BD + tl.arange(0, BD)
+    ok = d < D
+    acc = tl.zeros([BD], tl.float32)
+    for k in tl.static_range(K):
+        pos = tl.load(INV + t * K + k).to(tl.int64)
+        y = tl.load(Y + pos * D + d, mask=ok, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            y = y * tl.load(WT + t * K + k).to(tl.float32)
+        acc += y
+    tl.store(OUT + t.to(tl.int64) * D + d, acc.to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _combine_bwd(DOUT, Y, INV, WT, DY, DW, D, K: tl.constexpr, BD: tl.constexpr):
+    """DY[inv[t, k]] = w[t, k] DOUT[t] (a permutation: each row written once) and
+    DW[t, k] = DOUT[t] . Y[inv[t, k]]."""
+    t = tl.program_id(0)
+    for k in tl.static_range(K):
+        pos = tl.load(INV + t * K + k).to(tl.int64)
+        w = tl.load(WT + t * K + k).to(tl.float32)
+        dot = tl.zeros([BD], tl.float32)
+        for d0 in range(0, D, BD):
+            d = d0 + tl.arange(0, BD)
+            ok = d < D
+            g = tl.load(DOUT + t.to(tl.int64) * D + d, mask=ok, other=0.0).to(tl.float32)
+            dot += g * tl.load(Y + pos * D + d, mask=ok, other=0.0).to(tl.float32)
+            tl.store(DY + pos * D + d, (w * g).to(DY.dtype.element_ty), mask=ok)
+        tl.store(DW + t * K + k, tl.sum(dot, 0))
+
+
+def _combine_rows(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor | None, N: int) -> torch.Tensor:
+    D = y.shape[1]
+    out = torch.empty(N, D, dtype=y.dtype, device=y.device)
+    BD = min(1024, triton.next_power_of_2(D))
+    if N:
+        _combine[(N, triton.cdiv(D, BD))](y, inv, w if w is not None else inv, out, D, K=inv.shape[1], BD=BD,
+                                          WEIGHTED=w is not None)
+    return out
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tok, inv):
+        ctx.save_for_backward(inv)
+        return x[tok]
+
+    @staticmethod
+    def backward(ctx, dxp):
+        (inv,) = ctx.saved_tensors
+        return _combine_rows(dxp.contiguous(), inv, None, inv.shape[0]), None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, inv, w):
+        y, w = y.contiguous(), w.contiguous()
+        ctx.save_for_backward(y, inv, w)
+        return _combine_rows(y, inv, w, inv.shape[0])
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, inv, w = ctx.saved_tensors
+        N, K = inv.shape
+        D = y.shape[1]
+        dy = torch.empty_like(y)
+        dw = torch.empty(N, K, dtype=torch.float32, device=y.device)
+        if N:
+            _combine_bwd[(N,)](dout.contiguous(), y, inv, w, dy, dw, D, K=K, BD=min(1024, triton.next_power_of_2(D)))
+        return dy, None, dw.to(w.dtype)
+
+
+def permute(x_ND: torch.Tensor, tok_M: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
+    """x's rows in expert order, [M, D] (row m is token tok[m])."""
+    return _Permute.apply(x_ND, tok_M, inv_NK.to(torch.int32).contiguous())
+
+
+def unpermute(y_MD: torch.Tensor, inv_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+    """Each token's k expert outputs, weighted and summed, [N, D]."""
+    return _Unpermute.apply(y_MD, inv_NK.to(torch.int32).contiguous(), w_NK)

@@ -1,0 +1,96 @@
+"""The Triton MoE kernels against float64 references on fresh random inputs: the grouped GEMM
+(output, the rows' and the weights' gradients) with empty groups, one-row groups and odd widths;
+permute / unpermute with routing weights (output, gradients of the rows and of the weights);
+and, on CUDA, the experts with LoRA in bf16 against the float64 loop. On a CPU these run through
+Triton's interpreter in fp32 (tests/unit/test_kernels_interpreted.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.moe import reference
+from tests.interpret import DEVICE, gpu_only, needs_kernels
+from tests.tolerance import rel
+
+pytestmark = needs_kernels
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def counts_for(E: int, seed: int, most: int) -> torch.Tensor:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    c = torch.randint(0, most, (E,), device=DEVICE, generator=g)
+    c[0], c[-1] = 0, 1  # an empty group and a one-row group
+    return c
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
+@pytest.mark.parametrize("E,N,K,most", [(5, 24, 40, 70), (3, 136, 72, 200),
+                                         pytest.param(16, 1024, 2048, 700, marks=gpu_only)])
+def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype):
+    from kernels.moe.triton import gmm
+
+    counts = counts_for(E, E * N, most)
+    offs = counts.cumsum(0).to(torch.int32)
+    g = torch.Generator(device=DEVICE).manual_seed(K)
+    x = torch.randn(int(counts.sum()), K, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    W = (torch.randn(E, N, K, device=DEVICE, generator=g) * K ** -0.5).to(dtype).requires_grad_()
+    dy = torch.randn(x.shape[0], N, device=DEVICE, generator=g).to(dtype)
+    y = gmm(x, W, offs)
+    y.backward(dy)
+    x64, W64 = x.detach().double().requires_grad_(), W.detach().double().requires_grad_()
+    want = torch.cat([rows @ W64[e].T for e, rows in enumerate(x64.split(counts.tolist()))])
+    want.backward(dy.double())
+    assert y.dtype == dtype and y.shape == want.shape
+    tol = TOL[dtype]
+    assert rel(y, want) < tol and rel(x.grad, x64.grad) < tol and rel(W.grad, W64.grad) < tol
+    assert (W.grad[0] == 0).all()  # the empty group's weights get no gradient
+
+
+@pytest.mark.parametrize("N,k,E,D,dtype", [
+    (1, 1, 3, 8, torch.float32), (37, 4, 6, 50, torch.float32),
+    # bf16 where the Frobenius error averages over many weights (one token's single weight
+    # gradient is a dot product that can cancel below bf16's resolution)
+    pytest.param(37, 4, 6, 50, torch.bfloat16, marks=gpu_only),
+    pytest.param(4096, 8, 64, 2048, torch.bfloat16, marks=gpu_only),
+    pytest.param(4096, 8, 64, 2048, torch.float32, marks=gpu_only)])
+def test_permute_and_unpermute_match_the_reference(N, k, E, D, dtype):
+    from kernels.moe import triton as fast
+
+    g = torch.Generator(device=DEVICE).manual_seed(N + D)
+    idx = torch.rand(N, E, device=DEVICE, generator=g).topk(k, -1).indices
+    order = torch.argsort(idx.flatten(), stable=True)
+    tok = order // k
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=DEVICE)
+    inv = inv.view(N, k)
+    x = torch.randn(N, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    w = torch.rand(N, k, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    lin = torch.randn(D, D, device=DEVICE, generator=g).to(dtype) * D ** -0.5  # the "experts": one matrix
+    dout = torch.randn(N, D, device=DEVICE, generator=g).to(dtype)
+    out = fast.unpermute(fast.permute(x, tok, inv) @ lin, inv, w)
+    out.backward(dout)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = reference.unpermute(reference.permute(x64, tok, inv) @ lin.double(), inv, w64)
+    want.backward(dout.double())
+    tol = TOL[dtype]
+    assert out.dtype == dtype and rel(out, want) < tol
+    assert rel(x.grad, x64.grad) < tol and rel(w.grad, w64.grad) < tol
+
+
+@gpu_only
+@pytest.mark.parametrize("E,D,I,r", [(8, 64, 32, 8), (13, 256, 96, 16)])
+def test_experts_with_lora_match_the_loop(E, D, I, r):
+    from kernels.moe import triton as fast
+    from tests.gpu.test_moe_cuda import case, leaves, situ
+
+    x, counts, W1, W2, lora = case(E, D, I, r, E + D + 1)
+    dy = torch.randn(x.shape[0], D, device="cuda")
+    y = fast.grouped_mlp(x, counts, W1, W2, situ, lora, 2.0)
+    y.float().backward(dy)
+    d = [p.detach().double().requires_grad_() for p in leaves(x, W1, W2, lora)]
+    want = reference.grouped_mlp(d[0], counts, d[1], d[2], situ, {"gate_up_proj": (d[3], d[4]),
+                                                                   "down_proj": (d[5], d[6])}, 2.0)
+    want.backward(dy.double())
+    assert y.dtype == torch.bfloat16 and rel(y, want) < 1e-2
+    for i, (p, q) in enumerate(zip(leaves(x, W1, W2, lora), d)):
+        assert rel(p.grad, q.grad) < 1e-2, i
