@@ -97,7 +97,8 @@ class _DepthAttention(torch.autograd.Function):
         v, w_D, lse = ctx.saved_tensors
         L, N, D = v.shape
         dv = torch.empty_like(v)
-        programs = max(1, min(N, 4 * torch.cuda.get_device_properties(v.device).multi_processor_count))
+        sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 4  # 4: the interpreter
+        programs = max(1, min(N, 4 * sms))
         rows = -(-N // programs) if N else 1
         dw = torch.zeros((programs, D), dtype=torch.float32, device=v.device)
         block = triton.next_power_of_2(D)

@@ -1,14 +1,17 @@
 """The Triton linear + cross-entropy against the float64 definition on fresh random inputs:
 the loss and both gradients, ragged shapes, ignored targets, bf16 and fp32 (tolerances of
-ARCHITECTURE.md: relative Frobenius error fp32 < 1e-5, bf16 < 1e-2)."""
+ARCHITECTURE.md: relative Frobenius error fp32 < 1e-5, bf16 < 1e-2). On a CPU the fp32 cases run
+through Triton's interpreter (tests/unit/test_kernels_interpreted.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.interpret import DEVICE, gpu_only, needs_kernels
 from tests.tolerance import rel
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = needs_kernels
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
@@ -19,16 +22,17 @@ def definition(h, W, y):
     return loss, h64.grad, W64.grad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("N,D,V", [(777, 96, 5003), (2048, 256, 32000), (33, 64, 131)])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
+@pytest.mark.parametrize("N,D,V", [pytest.param(777, 96, 5003, marks=gpu_only), pytest.param(2048, 256, 32000, marks=gpu_only),
+                                   (33, 64, 131)])
 def test_matches_the_definition(N, D, V, dtype):
     from kernels.loss.triton import linear_cross_entropy
 
-    g = torch.Generator(device="cuda").manual_seed(N + V)
-    h = (torch.randn(N, D, device="cuda", generator=g) * 0.5).to(dtype).requires_grad_()
-    W = (torch.randn(V, D, device="cuda", generator=g) * 0.2).to(dtype).requires_grad_()
-    y = torch.randint(0, V, (N,), device="cuda", generator=g)
-    y[torch.rand(N, device="cuda", generator=g) < 0.25] = -100
+    g = torch.Generator(device=DEVICE).manual_seed(N + V)
+    h = (torch.randn(N, D, device=DEVICE, generator=g) * 0.5).to(dtype).requires_grad_()
+    W = (torch.randn(V, D, device=DEVICE, generator=g) * 0.2).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (N,), device=DEVICE, generator=g)
+    y[torch.rand(N, device=DEVICE, generator=g) < 0.25] = -100
     loss = linear_cross_entropy(h, W, y)
     (loss * 2.5).backward()
     want, dh, dW = definition(h, W, y)
@@ -41,9 +45,9 @@ def test_small_chunks_and_all_ignored(monkeypatch):
     from kernels.loss import triton as impl
 
     monkeypatch.setattr(impl, "CHUNK_BYTES", 64 * 1000 * 4)  # at most 64 rows a chunk: five of 60
-    h = torch.randn(300, 32, device="cuda", requires_grad=True)
-    W = torch.randn(1000, 32, device="cuda", requires_grad=True)
-    y = torch.randint(0, 1000, (300,), device="cuda")
+    h = torch.randn(300, 32, device=DEVICE, requires_grad=True)
+    W = torch.randn(1000, 32, device=DEVICE, requires_grad=True)
+    y = torch.randint(0, 1000, (300,), device=DEVICE)
     impl.linear_cross_entropy(h, W, y).mul(2.5).backward()
     want, dh, dW = definition(h, W, y)
     assert rel(h.grad, dh) < 1e-5 and rel(W.grad, dW) < 1e-5
@@ -51,19 +55,20 @@ def test_small_chunks_and_all_ignored(monkeypatch):
     again.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="runs once"):
         again.backward()
-    none = torch.full((300,), -100, device="cuda")
+    none = torch.full((300,), -100, device=DEVICE)
     h.grad = W.grad = None
     loss = impl.linear_cross_entropy(h, W, none)
     loss.backward()
     assert float(loss) == 0 and not h.grad.any() and not W.grad.any()
 
 
+@gpu_only
 def test_dispatch_picks_triton_on_cuda_and_reference_when_forced(monkeypatch):
     import kernels.loss as loss
 
-    h = torch.randn(64, 32, device="cuda")
-    W = torch.randn(500, 32, device="cuda")
-    y = torch.randint(0, 500, (64,), device="cuda")
+    h = torch.randn(64, 32, device=DEVICE)
+    W = torch.randn(500, 32, device=DEVICE)
+    y = torch.randint(0, 500, (64,), device=DEVICE)
     fast = loss.linear_cross_entropy(h, W, y)
     monkeypatch.setenv("KILN_KERNELS", "reference")
     ref = loss.linear_cross_entropy(h, W, y)
@@ -72,4 +77,4 @@ def test_dispatch_picks_triton_on_cuda_and_reference_when_forced(monkeypatch):
 
     assert not use_fast(h)
     monkeypatch.setenv("KILN_KERNELS", "auto")
-    assert use_fast(h) and not use_fast(h.cpu())
+    assert use_fast(h) and not use_fast(h.cpu())  # (on CUDA)

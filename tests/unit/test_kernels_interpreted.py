@@ -1,6 +1,7 @@
-"""The Triton kernels on the CPU: tests/gpu/test_dsa_cuda.py and test_moe_triton.py at their
-small fp32 shapes through Triton's interpreter, in a process of its own (triton lives in .triton, which scripts/test.sh fills: on
-the CPU machine it stays out of .venv, where it would send transformers' KDA to a GPU)."""
+"""Every Triton kernel on the CPU: the GPU tests of DSA, MoE, the fused loss and AttnRes at their
+small fp32 shapes through Triton's interpreter, in a process of its own. triton lives in
+.triton, which scripts/test.sh fills: on the CPU machine it stays out of .venv, where it would
+send transformers' KDA to a GPU."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+FILES = ["tests/gpu/test_dsa_cuda.py", "tests/gpu/test_moe_triton.py", "tests/gpu/test_loss_cuda.py",
+         "tests/gpu/test_attnres_cuda.py"]
 
 
 def test_triton_kernels_in_the_interpreter():
@@ -17,6 +20,6 @@ def test_triton_kernels_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-                          "tests/gpu/test_dsa_cuda.py", "tests/gpu/test_moe_triton.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                          *FILES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "\n12 passed, 17 skipped" in run.stdout, run.stdout[-2000:]  # the small shapes ran, the GPU-only ones not
+    assert "\n16 passed, 30 skipped" in run.stdout, run.stdout[-2000:]  # the small shapes ran, the GPU-only ones not
