@@ -352,21 +352,18 @@ def sparse_attention(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGE: torch.T
 
 
 @triton.jit
-def _index_block(Q, Kx, W, P, IDX, b, t, T, NK, k0, cnt, scale, J: tl.constexpr, DH: tl.constexpr,
-                 DH_PAD: tl.constexpr, J_PAD: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """Block k0 of query t's selected keys: the index q [J_PAD, DH_PAD], keys [BK, DH_PAD] and
-    weights, the scaled dots [J_PAD, BK], the scores (-inf past the list) and the target p."""
-    kk, ok, krow = _keys(IDX, b, t, T, NK, 1, 0, k0, cnt, BK)
+def _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J: tl.constexpr,
+                DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr, PREC: tl.constexpr):
     j = tl.arange(0, J_PAD)
     d = tl.arange(0, DH_PAD)
     q = tl.load(Q + ((b * T + t).to(tl.int64) * J + j[:, None]) * DH + d[None, :],
                 mask=(j[:, None] < J) & (d[None, :] < DH), other=0.0)
-    k = tl.load(Kx + krow[:, None] * DH + d[None, :], mask=ok[:, None] & (d[None, :] < DH), other=0.0)
+    k = tl.load(Kx + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], mask=ok[:, None] & (d[None, :] < DH),
+                other=0.0)
     w = tl.load(W + (b * T + t).to(tl.int64) * J + j, mask=j < J, other=0.0).to(tl.float32)
-    dots = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-    scores = tl.where(ok, tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0), float("-inf"))
-    p = tl.load(P + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0.0)
-    return q, k, w, dots, scores, tl.where(p > 0, p, 0.0), ok, krow
+    dots = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [J_PAD, BK]
+    scores = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
+    return q, k, w, dots, tl.where(ok, scores, float("-inf"))
 
 
 @triton.jit
@@ -380,8 +377,11 @@ def _kl_fwd(Q, Kx, W, IDX, CNT, P, LOSS, LSE, PSUM, T, NK, scale, J: tl.constexp
     p_logp = tl.zeros([BK], tl.float32)
     p_sum = tl.zeros([BK], tl.float32)
     for k0 in range(0, cnt, BK):
-        _q, _k, _w, _d, s, p, ok, _r = _index_block(Q, Kx, W, P, IDX, b, t, T, NK, k0, cnt, scale, J, DH, DH_PAD,
-                                                    J_PAD, BK, PREC)
+        kk = k0 + tl.arange(0, BK)
+        ok = kk < cnt
+        idx = tl.load(IDX + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0)
+        _q, _k, _w, _d, s = _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J, DH, DH_PAD, J_PAD, PREC)
+        p = tl.load(P + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0.0)
         m_new = tl.maximum(m, s)
         l = l * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(ok, tl.exp(s - m_new), 0.0)
         m = m_new
@@ -411,14 +411,18 @@ def _kl_bwd(Q, Kx, W, IDX, CNT, P, LSE, PSUM, GRAD, DQ, DK, DW, T, NK, scale, in
     dq = tl.zeros([J_PAD, DH_PAD], tl.float32)
     dw = tl.zeros([J_PAD], tl.float32)
     for k0 in range(0, cnt, BK):
-        q, k, w, dots, s, p, ok, krow = _index_block(Q, Kx, W, P, IDX, b, t, T, NK, k0, cnt, scale, J, DH, DH_PAD,
-                                                     J_PAD, BK, PREC)
+        kk = k0 + tl.arange(0, BK)
+        ok = kk < cnt
+        idx = tl.load(IDX + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0)
+        q, k, w, dots, s = _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J, DH, DH_PAD, J_PAD, PREC)
+        p = tl.load(P + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0.0)
+        p = tl.where(p > 0, p, 0.0)
         ds = tl.where(ok, grad * (total * tl.exp(s - lse) - p), 0.0)  # d loss / d score
         dw += tl.sum(tl.maximum(dots, 0.0) * ds[None, :], 1)
         dd = tl.where(dots > 0, w[:, None] * ds[None, :], 0.0) * scale  # d loss / d (q . k), [J_PAD, BK]
         dq += tl.dot(dd.to(k.dtype), k, input_precision=PREC)
         dk = tl.dot(tl.trans(dd.to(q.dtype)), q, input_precision=PREC)
-        tl.atomic_add(DK + krow[:, None] * DH + d[None, :], dk,
+        tl.atomic_add(DK + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], dk,
                       mask=ok[:, None] & (d[None, :] < DH), sem="relaxed")
     row = (b * T + t).to(tl.int64) * J + j
     tl.store(DQ + row[:, None] * DH + d[None, :], dq.to(DQ.dtype.element_ty), mask=(j[:, None] < J) & (d[None, :] < DH))
