@@ -14,8 +14,9 @@ per worker) and parallel:
         reshards on load, so any other layout loads it too.
 
 The module tree's names come from the model the config describes, built on the meta device; each
-module tensor is found on disk under its own name or the family's (``block_sparse_moe``, Kimi's
-``w1/w3/w2`` or DeepSeek's ``gate/up/down_proj`` per expert, the q/k/v short convolutions).
+module tensor is found on disk under its own name or the family's (``engine.checkpoint.names``:
+``block_sparse_moe``, Kimi's ``w1/w3/w2`` or DeepSeek's ``gate/up/down_proj`` per expert, the
+q/k/v short convolutions).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.checkpoint import names
 from engine.checkpoint.hf import shards
 from engine.checkpoint.mxfp4 import PACKED, SCALE, decode_reference, dequantize
 
@@ -156,22 +158,13 @@ class _Source:
         return self.ckpt.dtype(self.keys[0][0])
 
 
-def _names(fqn: str) -> list[str]:
-    """The disk names a module path may have, ours first."""
-    out = [fqn]
-    for old, new in ((".mlp.", ".block_sparse_moe."), (".forget_gate.", ".")):
-        out += [n.replace(old, new) for n in out if old in n]
-    return out + ["model." + n for n in out]
-
-
 def find_source(ckpt: Checkpoint, fqn: str, experts: int) -> _Source:
-    for name in _names(fqn):
+    for name in names.disk_names(fqn):
         if ckpt.has(name):
             return _Source(ckpt, [[name]], False)
     if m := re.match(r"^(.*\.experts)\.(gate_up_proj|down_proj)$", fqn):
-        roles = (("w1", "w3"), ("gate_proj", "up_proj")) if m.group(2) == "gate_up_proj" else (("w2",), ("down_proj",))
-        for prefix in _names(m.group(1)):
-            for parts in roles:
+        for prefix in names.disk_names(m.group(1)):
+            for parts in names.EXPERT_PARTS[m.group(2)]:
                 keys = [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(experts)]
                 if all(ckpt.has(k) for k in keys[0]):
                     missing = [k for ks in keys for k in ks if not ckpt.has(k)]
@@ -179,11 +172,11 @@ def find_source(ckpt: Checkpoint, fqn: str, experts: int) -> _Source:
                         raise ValueError(f"{ckpt.folder}: lacks {missing[:3]}")
                     return _Source(ckpt, keys, True)
     if m := re.match(r"^(.*\.self_attn)\.conv1d\.weight$", fqn):
-        for prefix in _names(m.group(1)):
-            keys = [f"{prefix}.{p}_conv1d.weight" for p in "qkv"]
+        for prefix in names.disk_names(m.group(1)):
+            keys = [f"{prefix}.{p}_conv1d.weight" for p in names.CONV_PARTS]
             if all(ckpt.has(k) for k in keys):
                 return _Source(ckpt, [keys], False)
-    raise ValueError(f"{ckpt.folder}: no tensor on disk for {fqn} (tried {', '.join(_names(fqn)[:4])}, ...)")
+    raise ValueError(f"{ckpt.folder}: no tensor on disk for {fqn} (tried {', '.join(names.disk_names(fqn)[:4])}, ...)")
 
 
 def _chunks(n: int, parts: int, start: int = 0) -> list[tuple[int, int]]:

@@ -19,15 +19,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.checkpoint import names
 from engine.config import DSAConfig, KDAConfig, ModelConfig, MoEConfig
 from engine.model.hybrid import HybridForCausalLM
 from engine.model.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
 
-# Per-expert weights on disk: Kimi's w1 (gate) / w3 (up) / w2 (down), DeepSeek's gate/up/down_proj.
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
-_ROLE = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
-_CONV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.([qkv])_conv1d\.weight$")
-_GATE = re.compile(r"^(model\.layers\.\d+\.self_attn)\.(A_log|dt_bias|f_a_proj\.weight|f_b_proj\.weight)$")
+# a per-expert part on disk -> its rows in our grouped tensors
+_ROLE = {part: {("gate_up_proj", 0): "gate", ("gate_up_proj", 1): "up", ("down_proj", 0): "down"}[place]
+         for part, place in names.PART_OF.items()}
 
 
 def shards(folder: Path) -> list[Path]:
@@ -68,20 +67,17 @@ def to_hf(model: KimiLinearForCausalLM) -> dict[str, torch.Tensor]:
         t = t.detach().contiguous()
         if name.endswith(".lora") or ".lora." in name:
             continue
-        disk = name.replace(".mlp.", ".block_sparse_moe.")
-        if m := re.match(r"^(.*)\.experts\.gate_up_proj$", disk):
-            I = t.shape[1] // 2
+        disk = names.to_disk(name)
+        if m := re.match(r"^(.*)\.experts\.(gate_up_proj|down_proj)$", disk):
+            parts = names.EXPERT_PARTS[m.group(2)][0]  # Kimi's
             for e in range(t.shape[0]):
-                out[f"{m.group(1)}.experts.{e}.w1.weight"] = t[e, :I].clone()
-                out[f"{m.group(1)}.experts.{e}.w3.weight"] = t[e, I:].clone()
-        elif m := re.match(r"^(.*)\.experts\.down_proj$", disk):
-            for e in range(t.shape[0]):
-                out[f"{m.group(1)}.experts.{e}.w2.weight"] = t[e].clone()
+                for part, rows in zip(parts, t[e].chunk(len(parts))):
+                    out[f"{m.group(1)}.experts.{e}.{part}.weight"] = rows.clone()
         elif m := re.match(r"^(.*\.self_attn)\.conv1d\.weight$", disk):
-            for part, chunk in zip("qkv", t.chunk(3)):
+            for part, chunk in zip(names.CONV_PARTS, t.chunk(len(names.CONV_PARTS))):
                 out[f"{m.group(1)}.{part}_conv1d.weight"] = chunk.clone()
         else:
-            out[disk.replace(".forget_gate.", ".")] = t
+            out[disk] = t
     return out
 
 
@@ -106,7 +102,7 @@ class _ExpertStacker:
         self.groups: dict[str, dict] = {}
 
     def add(self, key: str, t: torch.Tensor) -> bool:
-        m = _EXPERT.match(key)
+        m = names.EXPERT_KEY.match(key)
         if not m:
             return False
         prefix, e, role = m.group(1), int(m.group(2)), _ROLE[m.group(3)]
@@ -172,17 +168,18 @@ def load_kimi_linear(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
     convs: dict[str, dict[str, torch.Tensor]] = {}
 
     def rename(key: str, t: torch.Tensor) -> str | None:
-        key = key.replace(".block_sparse_moe.", ".mlp.")
-        if m := _CONV.match(key):
+        ours, theirs = names.RENAMES[0]
+        key = key.replace(theirs, ours)
+        if m := names.CONV_KEY.match(key):
             convs.setdefault(m.group(1), {})[m.group(2)] = t
             return None
-        if m := _GATE.match(key):
+        if m := names.GATE_KEY.match(key):
             return f"{m.group(1)}.forget_gate.{m.group(2)}"
         return key
 
     loaded = _stream_into(model, folder, dtype, experts, rename)
     for prefix, parts in convs.items():
-        _put(model, f"{prefix}.conv1d.weight", torch.cat([parts["q"], parts["k"], parts["v"]]))
+        _put(model, f"{prefix}.conv1d.weight", torch.cat([parts[p] for p in names.CONV_PARTS]))
         loaded.add(f"{prefix}.conv1d.weight")
     _check_complete(model, folder, loaded)
     return model
