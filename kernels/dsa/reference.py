@@ -73,14 +73,15 @@ def sparse_attention(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGE: torch.T
                      scale: float, with_weights: bool = False):
     """Attention of each query over its selected keys only, [B, T, H, E]. ``with_weights`` also
     returns the indexer's target: the probabilities on the selected keys averaged over heads,
-    [B, T, K] fp32 (0 where idx is -1, summing to 1 per query), without a gradient."""
+    [B, T, K] fp32 (fp64 for fp64 inputs; 0 where idx is -1, summing to 1 per query), without a
+    gradient."""
     B, T, H, _ = q_BTHD.shape
     G = k_BSGD.shape[2]
     up = torch.promote_types(q_BTHD.dtype, torch.float32)
     p = torch.softmax(_head_scores(q_BTHD, k_BSGD, idx_BTK, scale).to(up), -1)
     o = torch.einsum("btgnk,btkge->btgne", p.to(q_BTHD.dtype).view(B, T, G, H // G, -1), _gathered(v_BSGE, idx_BTK))
     o = o.reshape(B, T, H, -1)
-    return (o, p.detach().mean(2).float()) if with_weights else o
+    return (o, p.detach().mean(2)) if with_weights else o
 
 
 def indexer_kl_loss(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, idx_BTK: torch.Tensor,
