@@ -79,7 +79,7 @@ def main() -> None:
 
     from engine.checkpoint import dcp
     from engine.parallel.fsdp import full_tensors, global_view, parallelize
-    from engine.parallel.mesh import init_mesh
+    from engine.parallel.mesh import close_mesh, init_mesh
 
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="lora")
@@ -102,7 +102,7 @@ def main() -> None:
         out = {"params": full_tensors(model, mesh), "buffers": {n: b.cpu() for n, b in model.named_buffers()}}
         if mesh.rank == 0:
             torch.save(out, a.out)
-        return dist.destroy_process_group()
+        return close_mesh()
     model, data = build(a.mode, seed=1 if a.load else 0)  # a load must overwrite another init
     parallelize(model, mesh)
     trainable = [q for q in model.parameters() if q.requires_grad]
@@ -112,7 +112,7 @@ def main() -> None:
         out = state(model, mesh, opt)
         if mesh.rank == 0:
             torch.save(out, a.out)
-        return dist.destroy_process_group()
+        return close_mesh()
     rows = list(range(mesh.rank, ROWS, mesh.world))
     loss = step_loss(model, data, rows, n_targets(data), mesh.device)
     loss.backward()
@@ -126,7 +126,7 @@ def main() -> None:
         dcp.save(a.save, model, mesh, opt, everything=True)
     if mesh.rank == 0:
         torch.save(out, a.out)
-    dist.destroy_process_group()
+    close_mesh()
 
 
 if __name__ == "__main__":

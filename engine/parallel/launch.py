@@ -152,9 +152,7 @@ def main(argv: list[str]) -> int:
     run) they are optional: without ``--events`` rank 0 prints its reports as JSON lines."""
     import argparse
 
-    import torch.distributed as dist
-
-    from engine.parallel.mesh import init_mesh
+    from engine.parallel.mesh import close_mesh, init_mesh
     from engine.trainer import train
     from kiln.store import LocalStore
 
@@ -176,7 +174,7 @@ def main(argv: list[str]) -> int:
         raise
     if mesh.rank == 0:
         reporter._write("result", result=asdict(result))
-    dist.destroy_process_group()
+    close_mesh()
     return 0
 
 
