@@ -111,7 +111,7 @@ class Experts(nn.Module):
             inv[order] = torch.arange(order.numel(), device=order.device)
             inv = inv.view_as(idx_NK)
             y = self.grouped(moe_kernels.permute(x_ND, tok, inv), counts)
-            return moe_kernels.unpermute(y, inv, w_NK.to(y.dtype)).to(x_ND.dtype)
+            return moe_kernels.unpermute(y, inv, w_NK).to(x_ND.dtype)  # the router's fp32 weights, fp32 sums
         y = self.grouped(x_ND[tok], counts)
         return torch.zeros_like(x_ND).index_add_(0, tok, y * w_NK.reshape(-1)[order, None].to(x_ND.dtype))
 

@@ -44,5 +44,7 @@ def permute(x_ND: torch.Tensor, tok_M: torch.Tensor, inv_NK: torch.Tensor) -> to
 
 
 def unpermute(y_MD: torch.Tensor, inv_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """Each token's k rows weighted and summed, [N, D]: sum_k w[t, k] y[inv[t, k]]."""
-    return (y_MD[inv_NK.long()] * w_NK[..., None].to(y_MD.dtype)).sum(1)
+    """Each token's k rows weighted and summed, [N, D] in the wider of the two dtypes:
+    sum_k w[t, k] y[inv[t, k]]."""
+    dt = torch.promote_types(y_MD.dtype, w_NK.dtype)
+    return (y_MD[inv_NK.long()].to(dt) * w_NK[..., None].to(dt)).sum(1)

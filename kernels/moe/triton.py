@@ -183,9 +183,10 @@ def _combine_bwd(DOUT, Y, INV, WT, DY, DW, D, K: tl.constexpr, BD: tl.constexpr)
         tl.store(DW + t * K + k, tl.sum(dot, 0))
 
 
-def _combine_rows(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor | None, N: int) -> torch.Tensor:
+def _combine_rows(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor | None, N: int,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
     D = y.shape[1]
-    out = torch.empty(N, D, dtype=y.dtype, device=y.device)
+    out = torch.empty(N, D, dtype=dtype or y.dtype, device=y.device)
     BD = min(1024, triton.next_power_of_2(D))
     if N:
         _combine[(N, triton.cdiv(D, BD))](y, inv, w if w is not None else inv, out, D, K=inv.shape[1], BD=BD,
@@ -210,7 +211,7 @@ class _Unpermute(torch.autograd.Function):
     def forward(ctx, y, inv, w):
         y, w = y.contiguous(), w.contiguous()
         ctx.save_for_backward(y, inv, w)
-        return _combine_rows(y, inv, w, inv.shape[0])
+        return _combine_rows(y, inv, w, inv.shape[0], torch.promote_types(y.dtype, w.dtype))
 
     @staticmethod
     def backward(ctx, dout):
@@ -230,5 +231,6 @@ def permute(x_ND: torch.Tensor, tok_M: torch.Tensor, inv_NK: torch.Tensor) -> to
 
 
 def unpermute(y_MD: torch.Tensor, inv_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """Each token's k expert outputs, weighted and summed, [N, D]."""
+    """Each token's k expert outputs, weighted and summed in fp32, [N, D] in the wider of the two
+    dtypes (bf16 rows with the router's fp32 weights: fp32, as y * w would be)."""
     return _Unpermute.apply(y_MD, inv_NK.to(torch.int32).contiguous(), w_NK)

@@ -77,6 +77,26 @@ def test_permute_and_unpermute_match_the_reference(N, k, E, D, dtype):
     assert rel(x.grad, x64.grad) < tol and rel(w.grad, w64.grad) < tol
 
 
+def test_unpermute_keeps_the_routers_fp32_weights():
+    """bf16 expert rows with fp32 routing weights, as the engine calls it: fp32 sums and output,
+    the weights' gradient in fp32 (not rounded to bf16)."""
+    from kernels.moe import triton as fast
+
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    N, k, D = 29, 3, 40
+    inv = torch.randperm(N * k, device=DEVICE, generator=g).view(N, k)
+    y = torch.randn(N * k, D, device=DEVICE, generator=g).bfloat16().requires_grad_()
+    w = torch.rand(N, k, device=DEVICE, generator=g).requires_grad_()
+    dout = torch.randn(N, D, device=DEVICE, generator=g)
+    out = fast.unpermute(y, inv, w)
+    out.backward(dout)
+    y64, w64 = y.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = reference.unpermute(y64, inv, w64)
+    want.backward(dout.double())
+    assert out.dtype == torch.float32 and w.grad.dtype == torch.float32 and y.grad.dtype == torch.bfloat16
+    assert rel(out, want) < 1e-6 and rel(w.grad, w64.grad) < 1e-6 and rel(y.grad, y64.grad) < 1e-2
+
+
 @gpu_only
 @pytest.mark.parametrize("E,D,I,r", [(8, 64, 32, 8), (13, 256, 96, 16)])
 def test_experts_with_lora_match_the_loop(E, D, I, r):
