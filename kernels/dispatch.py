@@ -12,3 +12,9 @@ def fast(*tensors: torch.Tensor) -> bool:
     if os.environ.get("KILN_KERNELS", "auto") == "reference":
         return False
     return all(t.is_cuda for t in tensors)
+
+
+def dot_precision(t: torch.Tensor) -> str:
+    """``input_precision`` for a Triton kernel's dot products on inputs like ``t``: IEEE for fp32,
+    so fp32 meets its 1e-5 tolerance (tf32 would not), the default elsewhere."""
+    return "ieee" if t.dtype == torch.float32 else "tf32"

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import dot_precision
+
 NONE = -(2**63)  # the sort key of a key a query may not see
 
 
@@ -37,10 +39,6 @@ def _split(D: int) -> tuple[int, int]:
     itself a power of two: a small waste that keeps one code path)."""
     DA = max(16, 1 << (D.bit_length() - 1))
     return DA, _pow2(D - DA)
-
-
-def _prec(t: torch.Tensor) -> str:
-    return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
 def _counts(idx_BTK: torch.Tensor) -> torch.Tensor:
@@ -99,7 +97,7 @@ def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor,
         keys = torch.empty(B, t1 - t0, t1, dtype=torch.int64, device=q.device)
         grid = (triton.cdiv(t1 - t0, BM), triton.cdiv(t1, BN), B)
         _index_keys[grid](q, k, w, starts, keys, t0, t1, T, DH ** -0.5, J=J, DH=DH, DH_PAD=_pow2(DH), BM=BM, BN=BN,
-                          PREC=_prec(q))
+                          PREC=dot_precision(q))
         best = keys.topk(min(K, t1), dim=-1, sorted=False).values
         pos = torch.where(best == NONE, -1, 0x7FFFFFFF - (best & 0xFFFFFFFF)).to(torch.int32)
         idx[:, t0:t1, :pos.shape[-1]] = pos.sort(-1, descending=True).values
@@ -284,7 +282,7 @@ def _attn_meta(q, k, v):
     B, T, H, D = q.shape
     G, E = k.shape[2], v.shape[-1]
     DA, DB = _split(D)
-    return dict(H=H, G=G, D=D, DA=DA, DB=DB, E=E, PREC=_prec(q)), (B, T, H, G, E)
+    return dict(H=H, G=G, D=D, DA=DA, DB=DB, E=E, PREC=dot_precision(q)), (B, T, H, G, E)
 
 
 def _bh(cfg: dict, HG: int, x: torch.Tensor) -> dict:
@@ -431,7 +429,7 @@ def _kl_bwd(Q, Kx, W, IDX, CNT, P, LSE, PSUM, GRAD, DQ, DK, DW, T, NK, scale, in
 
 def _kl_meta(q):
     J, DH = q.shape[2], q.shape[3]
-    return dict(DH=DH, DH_PAD=_pow2(DH), J_PAD=_pow2(J), BK=32 if J <= 32 else 16, PREC=_prec(q))
+    return dict(DH=DH, DH_PAD=_pow2(DH), J_PAD=_pow2(J), BK=32 if J <= 32 else 16, PREC=dot_precision(q))
 
 
 class _IndexerKL(torch.autograd.Function):

@@ -20,14 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import dot_precision
 from kernels.moe.grouped import mlp
 from kernels.moe.reference import Lora
 
 CONFIG = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)  # the best of bench.moe --tune
-
-
-def _prec(t: torch.Tensor) -> str:
-    return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
 def _config(x: torch.Tensor, **change) -> dict:
@@ -109,7 +106,7 @@ def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: 
     y = torch.empty(M, C, dtype=x.dtype, device=x.device)
     if M:
         _gmm_rows[(n, triton.cdiv(C, cfg["BN"]))](x, W, y, tile_e, tile_row, offs, C, R, swe, swc, swr,
-                                                   PREC=_prec(x), **cfg)
+                                                   PREC=dot_precision(x), **cfg)
     return y
 
 
@@ -131,7 +128,7 @@ class _GMM(torch.autograd.Function):
             dW = torch.empty_like(W)
             cfg = _config(x, BM=64)
             _gmm_weights[(triton.cdiv(N, cfg["BN"]), triton.cdiv(K, cfg["BK"]), E)](dy, x, dW, offs, N, K,
-                                                                                   PREC=_prec(x), **cfg)
+                                                                                   PREC=dot_precision(x), **cfg)
         return dx, dW, None
 
 
@@ -183,11 +180,16 @@ def _combine_bwd(DOUT, Y, INV, WT, DY, DW, D, K: tl.constexpr, BD: tl.constexpr)
         tl.store(DW + t * K + k, tl.sum(dot, 0))
 
 
+def _row_block(D: int) -> int:
+    """The slice of a row [D] one program step handles."""
+    return min(1024, triton.next_power_of_2(D))
+
+
 def _combine_rows(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor | None, N: int,
                   dtype: torch.dtype | None = None) -> torch.Tensor:
     D = y.shape[1]
     out = torch.empty(N, D, dtype=dtype or y.dtype, device=y.device)
-    BD = min(1024, triton.next_power_of_2(D))
+    BD = _row_block(D)
     if N:
         _combine[(N, triton.cdiv(D, BD))](y, inv, w if w is not None else inv, out, D, K=inv.shape[1], BD=BD,
                                           WEIGHTED=w is not None)
@@ -221,7 +223,7 @@ class _Unpermute(torch.autograd.Function):
         dy = torch.empty_like(y)
         dw = torch.empty(N, K, dtype=torch.float32, device=y.device)
         if N:
-            _combine_bwd[(N,)](dout.contiguous(), y, inv, w, dy, dw, D, K=K, BD=min(1024, triton.next_power_of_2(D)))
+            _combine_bwd[(N,)](dout.contiguous(), y, inv, w, dy, dw, D, K=K, BD=_row_block(D))
         return dy, None, dw.to(w.dtype)
 
 
