@@ -4,8 +4,8 @@ realistic shapes: the per-expert loop (kernels/moe/reference.py), torch._grouped
 same FLOPs, in one run.
 
     python3 -m bench.moe        # tokens 16k / 64k, experts 64 / 256, top-8 / 16, D 2048, I 1024, bf16
-    python3 -m bench.moe --tune # first the Triton grouped GEMM's block sizes (16k tokens, 64 experts), then
-                                # the table with the best
+    python3 -m bench.moe --tune # first the Triton grouped GEMM's block sizes (16k tokens, 64 experts) and
+                                # each of its three GEMMs against torch's, then the table with the best
 
 Rows per expert follow a random router (softmax of Gaussian logits, top-k), so groups are uneven
 as in training. 18 M D I FLOPs a call (M = tokens * k). Median of 5 timed calls after 2.
@@ -42,7 +42,7 @@ def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
     """The tokens' rows to expert order and back with routing weights, forward + backward."""
     idx = torch.randn(N, E, device="cuda", generator=g).topk(k, -1)[1]
     x = torch.randn(N, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.rand(N, k, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(N, k, device="cuda", generator=g, requires_grad=True)  # fp32, as the router gives
     order = torch.argsort(idx.flatten(), stable=True)
     tok = order // k
     inv = torch.empty_like(order)
@@ -51,7 +51,7 @@ def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
 
     def torch_way():
         y = x[tok] * 1.5  # stands in for the experts
-        return torch.zeros_like(x).index_add_(0, tok, y * w.reshape(-1)[order, None])
+        return torch.zeros_like(x, dtype=w.dtype).index_add_(0, tok, y * w.reshape(-1)[order, None])
 
     def triton_way():
         return fused.unpermute(fused.permute(x, tok, inv) * 1.5, inv, w)
@@ -72,8 +72,8 @@ def tune(D: int, I: int) -> dict:
     print(f"torch._grouped_mm: {base:.2f} ms")
     best, best_ms = dict(fused.CONFIG), float("inf")
     for BM, BN, BK, warps, stages in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-                                      (64, 128, 64, 4, 4), (128, 128, 128, 8, 2), (256, 128, 64, 8, 3),
-                                      (128, 64, 64, 4, 4)]:
+                                      (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3),
+                                      (64, 256, 64, 4, 4)]:
         cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
         fused.CONFIG.update(cfg)
         try:
@@ -84,7 +84,28 @@ def tune(D: int, I: int) -> dict:
         print(f"{cfg}: {t:.2f} ms ({base / t:.2f}x torch)", flush=True)
         if t < best_ms:
             best, best_ms = cfg, t
+    fused.CONFIG.update(best)
+    parts(x, counts, W1)
     return best
+
+
+def parts(x: torch.Tensor, counts: torch.Tensor, W: torch.Tensor) -> None:
+    """Where the time goes: each of the three GEMMs of one projection alone, torch against Triton."""
+    offs = counts.cumsum(0).to(torch.int32)
+    dy = torch.randn(x.shape[0], W.shape[1], device="cuda", dtype=torch.bfloat16)
+    xd, Wd = x.detach(), W.detach()
+    cases = {"y = x W_e^T": (lambda: grouped.gmm(xd, Wd, offs), lambda: fused._rows_gemm(xd, Wd, offs, False)),
+             "dx = dy W_e": (lambda: torch._grouped_mm(dy, Wd, offs=offs),
+                             lambda: fused._rows_gemm(dy, Wd, offs, True)),
+             "dW_e = dy_e^T x_e": (lambda: torch._grouped_mm(dy.T, xd, offs=offs),
+                                   lambda: fused._weights_gemm(dy, xd, offs, W.shape[0]))}
+    for name, (theirs, ours) in cases.items():
+        try:
+            a, b = median_ms(theirs, reps=10, warmup=3), median_ms(ours, reps=10, warmup=3)
+        except RuntimeError as err:
+            print(f"{name}: {str(err)[:100]}")
+            continue
+        print(f"{name}: torch._grouped_mm {a:.3f} ms, Triton {b:.3f} ms ({a / b:.2f}x)", flush=True)
 
 
 def main() -> None:

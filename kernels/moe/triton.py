@@ -110,6 +110,16 @@ def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: 
     return y
 
 
+def _weights_gemm(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, E: int) -> torch.Tensor:
+    """dW_e = dy_e^T x_e: [E, N, K]."""
+    N, K = dy.shape[1], x.shape[1]
+    dW = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
+    cfg = _config(x, BM=64)
+    _gmm_weights[(triton.cdiv(N, cfg["BN"]), triton.cdiv(K, cfg["BK"]), E)](dy, x, dW, offs, N, K,
+                                                                           PREC=dot_precision(x), **cfg)
+    return dW
+
+
 class _GMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, W, offs):
@@ -122,13 +132,7 @@ class _GMM(torch.autograd.Function):
         x, W, offs = ctx.saved_tensors
         dy = dy.contiguous()
         dx = _rows_gemm(dy, W, offs, transpose=True) if ctx.needs_input_grad[0] else None
-        dW = None
-        if ctx.needs_input_grad[1]:
-            E, N, K = W.shape
-            dW = torch.empty_like(W)
-            cfg = _config(x, BM=64)
-            _gmm_weights[(triton.cdiv(N, cfg["BN"]), triton.cdiv(K, cfg["BK"]), E)](dy, x, dW, offs, N, K,
-                                                                                   PREC=dot_precision(x), **cfg)
+        dW = _weights_gemm(dy, x, offs, W.shape[0]) if ctx.needs_input_grad[1] else None
         return dx, dW, None
 
 
