@@ -135,7 +135,9 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = causal_conv(qkv, self.conv1d.weight, cu_seqlens).view(B, T, 3, self.H, self.K).unbind(2)
         g = self.forget_gate(x_BTD)
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
-        o, _ = kda_chunk(l2norm(f32(q)), l2norm(f32(k)), f32(v), g, beta, cu_seqlens=cu_seqlens)
+        # q, k, v in the activations' dtype (bf16 under autocast: the kernel's products on bf16 tensor
+        # cores); the state, the decay and every sum stay fp32
+        o, _ = kda_chunk(l2norm(f32(q)).to(q.dtype), l2norm(f32(k)).to(k.dtype), v, g, beta, cu_seqlens=cu_seqlens)
         gate = (self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD)))
         gate = gate.view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))

@@ -1,0 +1,131 @@
+"""KDA's chunked gated delta rule, forward and forward + backward: the Triton kernels
+(kernels/kda/triton.py) against fla-core's chunk_kda (its wheel carried to the GPU machine) and
+the PyTorch reference, in one run.
+
+    python3 -m bench.kda    # 32k and 128k tokens in documents of 8k, 16 and 64 heads, d 128, bf16
+
+q, k (L2-normalised), v and beta in bf16; g in fp32 from the bounded gate (K3's, lower bound -5);
+one packed row with cu_seqlens. FLOPs counted as in shared/MODEL_NOTES.md, per head
+6 T d^2 + 3 T C d + T C^2 (C = 64) for the forward and three times that for forward + backward.
+Median of 5 timed calls after 2. Baseline: fla-core. Writes bench/results/kda.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.cuda_time import median_ms
+from kernels.kda import reference
+from kernels.kda import triton as ours
+
+
+def inputs(T: int, H: int, d: int, doc: int) -> tuple[dict, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(T + H)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    x = {"q": F.normalize(r(1, T, H, d), dim=-1).bfloat16(), "k": F.normalize(r(1, T, H, d), dim=-1).bfloat16(),
+         "v": r(1, T, H, d).bfloat16(), "g": reference.kda_gate(r(1, T, H, d), r(H) * 0.5, r(H, d), -5.0),
+         "beta": torch.sigmoid(r(1, T, H)).bfloat16()}
+    cu = torch.arange(0, T + 1, doc, device="cuda", dtype=torch.int32)
+    return {n: t.requires_grad_() for n, t in x.items()}, cu
+
+
+def methods() -> dict:
+    found = {"Kiln Triton": lambda x, cu: ours.kda_chunk(**x, cu_seqlens=cu)}
+    try:
+        from fla.ops.kda import chunk_kda
+
+        found["fla-core chunk_kda"] = lambda x, cu: chunk_kda(**x, cu_seqlens=cu.long(), output_final_state=True)
+    except ImportError as err:
+        print(f"fla-core is not installed ({err}): no baseline")
+    found["PyTorch reference"] = lambda x, cu: reference.kda_chunk(**x, cu_seqlens=cu)
+    return found
+
+
+def measure(fn, x, cu) -> dict:
+    def fwd():
+        with torch.no_grad():
+            fn(x, cu)
+
+    def fwd_bwd():
+        for t in x.values():
+            t.grad = None
+        o, ht = fn(x, cu)
+        (o.float().sum() + ht.float().sum()).backward()
+
+    try:
+        f = median_ms(fwd, reps=5, warmup=2)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fb = median_ms(fwd_bwd, reps=5, warmup=2)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        return {"fwd_ms": f, "fwd_bwd_ms": fb, "peak_gib": peak}
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {}
+
+
+def profile(T: int, H: int, d: int, doc: int) -> None:
+    x, cu = inputs(T, H, d, doc)
+    measure(methods()["Kiln Triton"], x, cu)  # compiled and warm
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        o, ht = ours.kda_chunk(**x, cu_seqlens=cu)
+        (o.sum() + ht.sum()).backward()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--heads", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--doc", type=int, default=8192)
+    p.add_argument("--reference-up-to", type=int, default=32768 * 16, help="largest tokens x heads for the reference")
+    p.add_argument("--profile", action="store_true", help="first, the Triton kernels' times at the first shape")
+    p.add_argument("--out", default="bench/results/kda.json")
+    a = p.parse_args()
+    d, C = a.dim, 64
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; d={d}, documents of {a.doc}, bf16")
+    print("| tokens | heads | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak GiB (fwd+bwd) | "
+          "fwd vs fla | fwd+bwd vs fla |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    if a.profile:
+        profile(a.tokens[0], a.heads[0], d, a.doc)
+    rows = []
+    for T in a.tokens:
+        for H in a.heads:
+            x, cu = inputs(T, H, d, a.doc)
+            flops = H * (6 * T * d * d + 3 * T * C * d + T * C * C)
+            res = {}
+            for name, fn in methods().items():
+                if name == "PyTorch reference" and T * H > a.reference_up_to:
+                    continue
+                res[name] = measure(fn, x, cu)
+            base = res.get("fla-core chunk_kda") or {}
+            for name, m in res.items():
+                if not m:
+                    print(f"| {T} | {H} | {name} | out of memory | | | | | | |")
+                    continue
+                row = {"tokens": T, "heads": H, "method": name, **m, "fwd_tflops": flops / m["fwd_ms"] / 1e9,
+                       "fwd_bwd_tflops": 3 * flops / m["fwd_bwd_ms"] / 1e9,
+                       "fwd_vs_fla": base["fwd_ms"] / m["fwd_ms"] if base else None,
+                       "fwd_bwd_vs_fla": base["fwd_bwd_ms"] / m["fwd_bwd_ms"] if base else None}
+                rows.append(row)
+                ratio = (lambda v: f"{v:.2f}x" if v else "-")
+                print(f"| {T} | {H} | {name} | {m['fwd_ms']:.2f} | {row['fwd_tflops']:.1f} | {m['fwd_bwd_ms']:.2f} | "
+                      f"{row['fwd_bwd_tflops']:.1f} | {m['peak_gib']:.1f} | {ratio(row['fwd_vs_fla'])} | "
+                      f"{ratio(row['fwd_bwd_vs_fla'])} |", flush=True)
+            del x
+            torch.cuda.empty_cache()
+            # after every shape: a run cut short keeps what it measured
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                               "dim": d, "doc": a.doc, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The Triton KDA (kernels/kda/triton.py) against the float64 reference on fresh random inputs:
+the output, the final state and the gradients of q, k, v, g, beta and the initial state, with
+ragged variable-length batches (sequences shorter than a row block, longer than a chunk), plain
+batches, fp32 and bf16. On a CPU the fp32 cases run through Triton's interpreter
+(tests/unit/test_kernels_interpreted.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.kda import reference
+from tests.interpret import DEVICE, gpu_only, needs_kernels
+from tests.tolerance import rel
+
+pytestmark = needs_kernels
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def case(B, T, H, K, V, dtype, seed, state, lower_bound=None):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=g)
+    x = {"q": F.normalize(r(B, T, H, K), dim=-1).to(dtype), "k": F.normalize(r(B, T, H, K), dim=-1).to(dtype),
+         "v": r(B, T, H, V).to(dtype),
+         "g": reference.kda_gate(r(B, T, H, K), r(H) * 0.5, r(H, K), lower_bound),
+         "beta": torch.sigmoid(r(B, T, H)).to(dtype)}
+    if state:
+        x["initial_state"] = r(B, H, K, V)
+    return {n: t.requires_grad_() for n, t in x.items()}
+
+
+def check(x, cu, dtype, N):
+    from kernels.kda import triton as fast
+
+    o, ht = fast.kda_chunk(**x, cu_seqlens=cu)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    do = torch.randn(o.shape, device=DEVICE, generator=g)
+    dht = torch.randn(ht.shape, device=DEVICE, generator=g)
+    ((o * do).sum() + (ht * dht).sum()).backward()
+    x64 = {n: t.detach().double().requires_grad_() for n, t in x.items()}
+    o64, ht64 = reference.kda_chunk(**x64, cu_seqlens=cu)
+    ((o64 * do.double()).sum() + (ht64 * dht.double()).sum()).backward()
+    assert o.dtype == torch.float32 and o.shape == o64.shape and ht.shape == ht64.shape == (N, *ht.shape[1:])
+    tol = TOL[dtype]
+    assert rel(o, o64) < tol and rel(ht, ht64) < tol
+    for n in x:
+        assert x[n].grad.dtype == x[n].dtype, n
+        assert rel(x[n].grad, x64[n].grad) < tol, (n, rel(x[n].grad, x64[n].grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
+@pytest.mark.parametrize("lens,H,K,V,state,lower_bound", [
+    ([5, 70, 64, 1, 130], 2, 16, 32, True, None),
+    ([200], 1, 32, 16, False, -5.0),
+    pytest.param([3000, 17, 1000, 4000], 4, 128, 128, True, -5.0, marks=gpu_only),
+    pytest.param([8192], 2, 128, 64, False, None, marks=gpu_only)])
+def test_variable_length_matches_the_reference(lens, H, K, V, state, lower_bound, dtype):
+    cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0)
+    x = case(1, sum(lens), H, K, V, dtype, sum(lens) + K, False, lower_bound)
+    if state:
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        x["initial_state"] = torch.randn(len(lens), H, K, V, device=DEVICE, generator=g).requires_grad_()
+    check(x, cu, dtype, len(lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
+@pytest.mark.parametrize("B,T,H,K,V", [(2, 100, 2, 16, 16), (1, 80, 1, 16, 64),
+                                       pytest.param(3, 1000, 8, 128, 128, marks=gpu_only)])
+def test_batch_matches_the_reference(B, T, H, K, V, dtype):
+    check(case(B, T, H, K, V, dtype, B * T, True), None, dtype, B)
