@@ -9,7 +9,7 @@ from kernels.dispatch import fast
 
 
 def depth_attention(sources_LBTD: torch.Tensor, w_D: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    if fast(sources_LBTD, w_D) and sources_LBTD.dtype != torch.float64:
+    if fast(sources_LBTD, w_D):
         from kernels.attnres import triton as impl  # imports triton: CUDA machines only
     else:
         impl = reference

@@ -10,7 +10,7 @@ from kernels.dsa.reference import allowed_keys, indexer_scores
 
 
 def _impl(*tensors: torch.Tensor):
-    if fast(*tensors) and all(t.dtype != torch.float64 for t in tensors):
+    if fast(*tensors):
         from kernels.dsa import triton as impl  # imports triton: CUDA machines only
         return impl
     return reference

@@ -1,6 +1,5 @@
 """KDA, the gated delta rule with a per-channel decay: ``reference.py`` (the definition, CPU)
-and ``triton.py`` (CUDA), one signature; ``kda_chunk`` picks by device (float64, for checking,
-always takes the reference)."""
+and ``triton.py`` (CUDA), one signature; ``kda_chunk`` picks (``kernels.dispatch``)."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +12,7 @@ from kernels.kda.reference import kda_gate, kda_recurrent
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    if fast(q, k, v, g, beta) and v.dtype != torch.float64:
+    if fast(q, k, v, g, beta):
         from kernels.kda import triton as impl  # imports triton: CUDA machines only
     else:
         impl = reference
