@@ -97,6 +97,23 @@ def _cumsum(X, Y, CHUNKS, H, K, BK: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
+def _beta(BETA, rows, ok, h, H):
+    return tl.load(BETA + rows.to(tl.int64) * H + h, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _block(Q, Kt, BETA, G, row0, last, h, H, scale, K, BK: tl.constexpr):
+    """Row block [row0, row0 + 16) of a chunk: its rows and which are in the sequence, Gamma, Gamma
+    at its first row (the reference of the factored products), q (scaled), k and beta."""
+    rows = row0 + tl.arange(0, 16)
+    ok = rows <= last
+    g = _gamma(G, rows, ok, last, h, H, K, BK)
+    g_r = _row(G, tl.minimum(row0, last), h, H, K, BK)
+    q = _tile(Q, rows, ok, h, H, K, BK) * scale
+    return rows, ok, g, g_r, q, _tile(Kt, rows, ok, h, H, K, BK), _beta(BETA, rows, ok, h, H)
+
+
+@triton.jit
 def _intra(Q, Kt, BETA, G, AQK, AKK, CHUNKS, scale, H, K, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """A_qk (j <= i) and A_kk (beta_i, j < i) of one chunk and head, by row blocks of 16."""
     c, h = tl.program_id(0), tl.program_id(1)
@@ -104,14 +121,7 @@ def _intra(Q, Kt, BETA, G, AQK, AKK, CHUNKS, scale, H, K, BK: tl.constexpr, DT: 
     end = last + 1
     i16 = tl.arange(0, 16)
     for X in tl.static_range(4):
-        rX = bos + X * 16 + i16
-        okX = rX < end
-        ref = tl.minimum(bos + X * 16, last)
-        gX = _gamma(G, rX, okX, last, h, H, K, BK)
-        g_r = _row(G, ref, h, H, K, BK)
-        qX = _tile(Q, rX, okX, h, H, K, BK) * scale
-        kX = _tile(Kt, rX, okX, h, H, K, BK)
-        bX = tl.load(BETA + rX.to(tl.int64) * H + h, mask=okX, other=0.0).to(tl.float32)
+        rX, okX, gX, g_r, qX, kX, bX = _block(Q, Kt, BETA, G, bos + X * 16, last, h, H, scale, K, BK)
         dX = tl.exp(gX - g_r[None, :])
         aq = qX * dX
         ak = kX * dX
@@ -212,7 +222,7 @@ def _solve(AKK, Kt, V, BETA, G, W, U, CHUNKS, H, K, VD, BK: tl.constexpr, BV: tl
 @triton.jit
 def _weighted(Kt, V, BETA, G, rows, ok, last, h, H, K, VD, BK: tl.constexpr, BV: tl.constexpr):
     """beta e^Gamma k and beta v on rows."""
-    b = tl.load(BETA + rows.to(tl.int64) * H + h, mask=ok, other=0.0).to(tl.float32)
+    b = _beta(BETA, rows, ok, h, H)
     kb = _tile(Kt, rows, ok, h, H, K, BK) * tl.exp(_gamma(G, rows, ok, last, h, H, K, BK)) * b[:, None]
     return kb, _tile(V, rows, ok, h, H, VD, BV) * b[:, None]
 
@@ -325,7 +335,7 @@ def _dlocal(Q, Kt, V, BETA, G, MI, VN, DVN, DO, HS, DH, DQ, DK, DV, DB, DG, DAQK
     eg = tl.exp(gm)
     q = _tile(Q, rows, ok, h, H, K, BK) * scale
     k = _tile(Kt, rows, ok, h, H, K, BK)
-    b = tl.load(BETA + rows.to(tl.int64) * H + h, mask=ok, other=0.0).to(tl.float32)
+    b = _beta(BETA, rows, ok, h, H)
     Mi = tl.where(i[None, :] <= i[:, None], _square(MI, rows, ok, h, H, 0, 64), 0.0)
     dAqk = tl.zeros([64, 64], tl.float32)
     dMi = tl.zeros([64, 64], tl.float32)
@@ -387,14 +397,7 @@ def _dintra(Q, Kt, BETA, G, DAQK, DAKK, DQ, DK, DB, DG, CHUNKS, scale, H, K, BK:
     end = last + 1
     i16 = tl.arange(0, 16)
     for X in tl.static_range(4):
-        rX = bos + X * 16 + i16
-        okX = rX < end
-        ref = tl.minimum(bos + X * 16, last)
-        gX = _gamma(G, rX, okX, last, h, H, K, BK)
-        g_r = _row(G, ref, h, H, K, BK)
-        qX = _tile(Q, rX, okX, h, H, K, BK) * scale
-        kX = _tile(Kt, rX, okX, h, H, K, BK)
-        bX = tl.load(BETA + rX.to(tl.int64) * H + h, mask=okX, other=0.0).to(tl.float32)
+        rX, okX, gX, g_r, qX, kX, bX = _block(Q, Kt, BETA, G, bos + X * 16, last, h, H, scale, K, BK)
         # a-side, from the earlier blocks J: da_X = e^(Gamma_X - Gamma_r) (dA_XJ (b_J e^(Gamma_r - Gamma_J)))
         daq = tl.zeros([16, BK], tl.float32)
         dak = tl.zeros([16, BK], tl.float32)
@@ -414,7 +417,7 @@ def _dintra(Q, Kt, BETA, G, DAQK, DAKK, DQ, DK, DB, DG, CHUNKS, scale, H, K, BK:
             okI = rI < end
             g_rI = _row(G, tl.minimum(bos + I * 16, last), h, H, K, BK)
             dI = tl.exp(_gamma(G, rI, okI, last, h, H, K, BK) - g_rI[None, :])
-            bI = tl.load(BETA + rI.to(tl.int64) * H + h, mask=okI, other=0.0).to(tl.float32)
+            bI = _beta(BETA, rI, okI, h, H)
             eX = tl.exp(g_rI[None, :] - gX)
             dbq += eX * _dot(tl.trans(_square(DAQK, rI, okI, h, H, X * 16, 16)),
                                _tile(Q, rI, okI, h, H, K, BK) * scale * dI, DT, PREC)
