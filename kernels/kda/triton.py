@@ -497,6 +497,7 @@ class _KDA(torch.autograd.Function):
         s = _Shapes(q, v)
         chunks, seq = _chunks(cu, q.device)
         flat = [x.contiguous() for x in (q, k, v, g, beta)]
+        ctx.h0_dtype = h0.dtype if h0 is not None else None
         h0 = h0.float().contiguous() if h0 is not None else None
         G, Aqk, _, _, HS, VN, HT = _forward(*flat, scale, h0, chunks, seq, s)
         o = torch.empty(B, T, H, s.V, device=q.device, dtype=torch.float32)
@@ -536,7 +537,7 @@ class _KDA(torch.autograd.Function):
         shape = q.shape
         return (dq.view(shape).to(q.dtype), dk.view(shape).to(k.dtype), dv.view(v.shape).to(v.dtype),
                 dg.view(shape).to(g.dtype), db.view(beta.shape).to(beta.dtype), None,
-                DH0 if ctx.has_h0 else None, None)
+                DH0.to(ctx.h0_dtype) if ctx.has_h0 else None, None)
 
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -57,9 +57,9 @@ def check(x, cu, dtype, N):
 def test_variable_length_matches_the_reference(lens, H, K, V, state, lower_bound, dtype):
     cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0)
     x = case(1, sum(lens), H, K, V, dtype, sum(lens) + K, False, lower_bound)
-    if state:
+    if state:  # in the inputs' dtype: its gradient comes back in it
         g = torch.Generator(device=DEVICE).manual_seed(1)
-        x["initial_state"] = torch.randn(len(lens), H, K, V, device=DEVICE, generator=g).requires_grad_()
+        x["initial_state"] = torch.randn(len(lens), H, K, V, device=DEVICE, generator=g).to(dtype).requires_grad_()
     check(x, cu, dtype, len(lens))
 
 
