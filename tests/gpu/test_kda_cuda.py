@@ -68,3 +68,34 @@ def test_variable_length_matches_the_reference(lens, H, K, V, state, lower_bound
                                        pytest.param(3, 1000, 8, 128, 128, marks=gpu_only)])
 def test_batch_matches_the_reference(B, T, H, K, V, dtype):
     check(case(B, T, H, K, V, dtype, B * T, True), None, dtype, B)
+
+
+@gpu_only
+@pytest.mark.parametrize("autocast", [False, True])
+def test_dispatch_and_the_model(autocast, monkeypatch):
+    """The KDA block on CUDA (kernels) equals itself with KILN_KERNELS=reference, on packed
+    documents, in fp32 and under bf16 autocast (the kernel's products in bf16): output and every
+    parameter's gradient."""
+    from engine.model.kimi_linear import KimiDeltaAttention
+    from engine.model.layers import cu_seqlens
+
+    torch.manual_seed(0)
+    m = KimiDeltaAttention(hidden=256, H=4, K=64, gate_lower_bound=-5.0).cuda().train()
+    x = torch.randn(1, 300, 256, device="cuda")
+    cu = cu_seqlens(torch.tensor([[0] * 70 + [1] * 200 + [2] * 30], device="cuda"))
+    dy = torch.randn(1, 300, 256, device="cuda")
+
+    def run():
+        m.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = m(x, cu)
+        (out.float() * dy).sum().backward()
+        return out.detach().float(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    out, grads = run()
+    monkeypatch.setenv("KILN_KERNELS", "reference")
+    out_r, grads_r = run()
+    tol = 1e-2 if autocast else 1e-4
+    assert rel(out, out_r) < tol
+    for n in grads:
+        assert rel(grads[n], grads_r[n]) < tol, n
