@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.model.layers import RMSNorm, causal_mask
+from engine.model.layers import RMSNorm, causal_mask, next_token_loss
 from kiln.tokenizer import ByteTokenizer
 
 
@@ -156,8 +156,17 @@ class TinyForCausalLM(nn.Module):
         self.image_tokens, self.image_size = config.image_tokens, config.image_size
 
     def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab]. Each image fills the next run of image tokens. With ``doc_ids_BT``
+                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
+                labels_BT: torch.Tensor | None = None):
+        """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
+        targets and the count of argmax hits (``layers.next_token_loss``: no full logits)."""
+        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT)
+        return self.lm_head(h) if labels_BT is None else next_token_loss(self.lm_head, h, labels_BT)
+
+    def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
+               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output [B, T, D]. Each image fills the next run of image tokens. With
+        ``doc_ids_BT``
         (packed rows) a token attends only to earlier tokens of its own document."""
         x = self.model.embed_tokens(input_ids_BT)
         mask = None
@@ -173,7 +182,7 @@ class TinyForCausalLM(nn.Module):
             x = x.masked_scatter(slots.unsqueeze(-1), img.reshape(-1, x.shape[-1]).to(x.dtype))
         for layer in self.model.layers:
             x = layer(x, mask, positions_BT)
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
 
 
 def init_weights(model: TinyForCausalLM, seed: int) -> None:

@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine.data import IGNORE, Dataset, ImageCache, collate, epoch_batches, split
@@ -78,12 +77,8 @@ def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device) -> tup
     labels = batch["labels_BT"].to(device)
     docs, pos = (batch[k].to(device) if batch[k] is not None else None for k in ("doc_ids_BT", "positions_BT"))
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        logits = model(ids, batch["pixels_NCHW"].to(device), docs, pos)
-    logits, labels = logits[:, :-1].float(), labels[:, 1:]
-    n = int((labels != IGNORE).sum())
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum") / max(n, 1)
-    right = int(((logits.argmax(-1) == labels) & (labels != IGNORE)).sum())
-    return loss, n, right
+        loss, right = model(ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels)  # no full logits
+    return loss, int((labels[:, 1:] != IGNORE).sum()), int(right)
 
 
 def _share(items: list, mesh, parts: int | None = None, size: int | None = None) -> list[list]:

@@ -13,7 +13,7 @@ from engine.config import ModelConfig
 from engine.model.attnres import AttnResQueries, Residuals
 from engine.model.dsa import GatedDSAttention
 from engine.model.kimi_linear import KimiDeltaAttention
-from engine.model.layers import RMSNorm, cu_seqlens, rows_end_to_end
+from engine.model.layers import RMSNorm, cu_seqlens, next_token_loss, rows_end_to_end
 from engine.model.moe import MLP, MoE
 from engine.tiny_model import VisionTower
 
@@ -81,11 +81,20 @@ class HybridForCausalLM(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
     def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
+                labels_BT: torch.Tensor | None = None):
+        """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
+        targets and the count of argmax hits (``layers.next_token_loss``: no full logits)."""
+        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT)
+        return self.lm_head(h) if labels_BT is None else next_token_loss(self.lm_head, h, labels_BT)
+
+    def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
+               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output [B, T, D]."""
         B, T = input_ids_BT.shape
         if doc_ids_BT is not None and B > 1:  # rows end to end: one KDA state per document
             pos = positions_BT.reshape(1, B * T) if positions_BT is not None else None
-            return self.forward(input_ids_BT.reshape(1, B * T), pixels_NCHW, rows_end_to_end(doc_ids_BT), pos).view(B, T, -1)
+            return self.hidden(input_ids_BT.reshape(1, B * T), pixels_NCHW, rows_end_to_end(doc_ids_BT), pos).view(B, T, -1)
         x = self.embed_tokens(input_ids_BT)
         if pixels_NCHW is not None and pixels_NCHW.numel():
             if self.config.vision is None:
@@ -97,4 +106,4 @@ class HybridForCausalLM(nn.Module):
         res = Residuals(x, self.attn_res, self.config.attn_res_block)
         for i, layer in enumerate(self.layers):
             layer(res, i, cu, positions_BT, doc_ids_BT)
-        return self.lm_head(self.norm(res.input(2 * len(self.layers))))
+        return self.norm(res.input(2 * len(self.layers)))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import GatedRMSNorm, RMSNorm, causal_mask, cu_seqlens, f32, rows_end_to_end
+from engine.model.layers import GatedRMSNorm, RMSNorm, causal_mask, cu_seqlens, f32, next_token_loss, rows_end_to_end
 from engine.model.moe import MLP, MoE
 from kernels.kda import kda_chunk, kda_gate
 
@@ -208,20 +208,28 @@ class KimiLinearForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab]. With ``doc_ids_BT`` (packed rows) every document starts afresh:
-        the rows are laid end to end as one sequence whose documents are cut at each change of
+                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
+                labels_BT: torch.Tensor | None = None):
+        """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
+        targets and the count of argmax hits (``layers.next_token_loss``: no full logits)."""
+        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT)
+        return self.lm_head(h) if labels_BT is None else next_token_loss(self.lm_head, h, labels_BT)
+
+    def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
+               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm's output [B, T, D]. With ``doc_ids_BT`` (packed rows) every document
+        starts afresh: the rows are laid end to end as one sequence whose documents are cut at each change of
         document (a KDA state per document, attention masked across documents). No positions:
         KDA carries order and the MLA layers use none (NoPE)."""
         if pixels_NCHW is not None and pixels_NCHW.numel():
             raise ValueError("Kimi Linear takes no image input")
         B, T = input_ids_BT.shape
         if doc_ids_BT is not None and B > 1:
-            return self.forward(input_ids_BT.reshape(1, B * T), None, rows_end_to_end(doc_ids_BT)).view(B, T, -1)
+            return self.hidden(input_ids_BT.reshape(1, B * T), None, rows_end_to_end(doc_ids_BT)).view(B, T, -1)
         x = self.model.embed_tokens(input_ids_BT)
         mask = cu = None
         if doc_ids_BT is not None:
             mask, cu = causal_mask(T, x.device, doc_ids_BT), cu_seqlens(doc_ids_BT)
         for layer in self.model.layers:
             x = layer(x, mask, cu)
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -61,3 +62,32 @@ def cu_seqlens(doc_ids_1T: torch.Tensor) -> torch.Tensor:
     d = doc_ids_1T[0]
     starts = torch.nonzero(torch.diff(d, prepend=d[:1] - 1)).flatten()
     return torch.cat([starts, torch.tensor([len(d)], device=d.device)])
+
+
+def next_token_loss(head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100,
+                    chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean cross-entropy of each next token over the targets (0 without any) and how many of
+    them the argmax gets right. A plain linear head goes through ``kernels.loss`` (token and
+    vocabulary chunks: never the [tokens, vocab] logits; the Triton kernel on CUDA), its inputs
+    in the autocast dtype as the head's own matmul would take them; the argmax is counted chunk by
+    chunk without gradients. Any other head (LoRA on it) computes the logits."""
+    from kernels.loss import linear_cross_entropy
+
+    h, y = h_BTD[:, :-1].reshape(-1, h_BTD.shape[-1]), labels_BT[:, 1:].reshape(-1)
+    target = y != ignore_index
+    if type(head) is not nn.Linear or head.bias is not None:
+        logits = f32(head(h))
+        loss = F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum") / target.sum().clamp_min(1)
+        return loss, ((logits.argmax(-1) == y) & target).sum()
+    W = head.weight
+    if torch.is_autocast_enabled(h.device.type):
+        dt = torch.get_autocast_dtype(h.device.type)
+        h, W = h.to(dt), W.to(dt)
+    else:
+        h = h.to(W.dtype)
+    loss = linear_cross_entropy(h, W, y, ignore_index)
+    right = torch.zeros((), dtype=torch.long, device=h.device)
+    with torch.no_grad():
+        for t in range(0, h.shape[0], chunk):
+            right += ((h[t:t + chunk] @ W.t()).argmax(-1) == y[t:t + chunk]).logical_and(target[t:t + chunk]).sum()
+    return loss, right

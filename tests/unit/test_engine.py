@@ -119,8 +119,9 @@ def test_gradient_accumulation_makes_the_same_update(tmp_path):
         states.append((load_file(str(store.path(rec.checkpoints[-1][1]) / "adapter_model.safetensors")), rec.losses))
     (a, la), (b, lb) = states
     assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4), k
+    for k in a:  # Adam turns the summation-order noise of near-zero gradients into ~1e-5 here;
+        # a wrong accumulation moves the adapter by ~lr (1e-3) and the losses below
+        assert torch.allclose(a[k], b[k], atol=3e-5, rtol=1e-4), k
     assert abs(la[1] - lb[1]) < 1e-5 and abs(la[2] - lb[2]) < 1e-4
 
 
