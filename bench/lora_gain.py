@@ -80,7 +80,7 @@ def run(work: Path, pretrain_steps: int, lora_steps: int) -> dict:
     lora = RecordingReporter()
     spec = JobSpec(job_id="lora", model="bench-base", training_file=str(img_train), validation_file=str(img_valid),
                    images_file=str(SAMPLE / "images.zip"), n_epochs=1000, batch_size=8, max_steps=lora_steps,
-                   checkpoint_interval=lora_steps // 5, learning_rate_multiplier=2.0, seed=0,
+                   checkpoint_interval=lora_steps // 5, seed=0,
                    lora=LoraSpec(rank=16, alpha=32))
     done = engine.train(spec, store, lora)
     valid = {s: v["valid_loss"] for s, v in lora.steps.items() if "valid_loss" in v}
