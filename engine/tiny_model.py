@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.model.layers import RMSNorm, causal_mask, next_token_loss
+from engine.model.layers import CausalLM, RMSNorm, causal_mask
 from kiln.tokenizer import ByteTokenizer
 
 
@@ -147,21 +147,13 @@ class TinyCore(nn.Module):
         self.multi_modal_projector = nn.Linear(c.hidden_size, c.hidden_size)
 
 
-class TinyForCausalLM(nn.Module):
+class TinyForCausalLM(CausalLM, nn.Module):
     def __init__(self, config: TinyConfig):
         super().__init__()
         self.config = config
         self.model = TinyCore(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.image_tokens, self.image_size = config.image_tokens, config.image_size
-
-    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
-                labels_BT: torch.Tensor | None = None):
-        """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
-        targets and the count of argmax hits (``layers.next_token_loss``: no full logits)."""
-        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT)
-        return self.lm_head(h) if labels_BT is None else next_token_loss(self.lm_head, h, labels_BT)
 
     def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from engine.config import ModelConfig
 from engine.model.attnres import AttnResQueries, Residuals
 from engine.model.dsa import GatedDSAttention
 from engine.model.kimi_linear import KimiDeltaAttention
-from engine.model.layers import RMSNorm, cu_seqlens, next_token_loss, rows_end_to_end
+from engine.model.layers import CausalLM, RMSNorm, cu_seqlens, rows_end_to_end
 from engine.model.moe import MLP, MoE
 from engine.tiny_model import VisionTower
 
@@ -49,7 +49,7 @@ class HybridLayer(nn.Module):
         return a, m
 
 
-class HybridForCausalLM(nn.Module):
+class HybridForCausalLM(CausalLM, nn.Module):
     def __init__(self, config: ModelConfig, image_token_id: int | None = None):
         super().__init__()
         c = self.config = config
@@ -79,14 +79,6 @@ class HybridForCausalLM(nn.Module):
         losses = [l.self_attn.last_indexer_loss for l in self.layers if l.kind == "dsa"
                   and l.self_attn.last_indexer_loss is not None]
         return torch.stack(losses).sum() if losses else None
-
-    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
-                labels_BT: torch.Tensor | None = None):
-        """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
-        targets and the count of argmax hits (``layers.next_token_loss``: no full logits)."""
-        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT)
-        return self.lm_head(h) if labels_BT is None else next_token_loss(self.lm_head, h, labels_BT)
 
     def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:

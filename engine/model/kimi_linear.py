@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import GatedRMSNorm, RMSNorm, causal_mask, cu_seqlens, f32, next_token_loss, rows_end_to_end
+from engine.model.layers import CausalLM, GatedRMSNorm, RMSNorm, causal_mask, cu_seqlens, f32, rows_end_to_end
 from engine.model.moe import MLP, MoE
 from kernels.kda import kda_chunk, kda_gate
 
@@ -200,20 +200,12 @@ class KimiLinearCore(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class KimiLinearForCausalLM(nn.Module):
+class KimiLinearForCausalLM(CausalLM, nn.Module):
     def __init__(self, config: KimiLinearConfig):
         super().__init__()
         self.config = config
         self.model = KimiLinearCore(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
-                labels_BT: torch.Tensor | None = None):
-        """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
-        targets and the count of argmax hits (``layers.next_token_loss``: no full logits)."""
-        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT)
-        return self.lm_head(h) if labels_BT is None else next_token_loss(self.lm_head, h, labels_BT)
 
     def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:

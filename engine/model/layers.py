@@ -91,3 +91,16 @@ def next_token_loss(head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tenso
         for t in range(0, h.shape[0], chunk):
             right += ((h[t:t + chunk] @ W.t()).argmax(-1) == y[t:t + chunk]).logical_and(target[t:t + chunk]).sum()
     return loss, right
+
+
+class CausalLM:
+    """The forward of a causal LM class that has ``hidden`` (the final norm's output) and
+    ``lm_head``; put first among the bases (``class M(CausalLM, nn.Module)``)."""
+
+    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
+                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
+                labels_BT: torch.Tensor | None = None):
+        """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
+        targets and the count of argmax hits (``layers.next_token_loss``: no full logits)."""
+        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT)
+        return self.lm_head(h) if labels_BT is None else next_token_loss(self.lm_head, h, labels_BT)

@@ -17,7 +17,9 @@ first row of X, (q_X e^(Gamma_X - Gamma_r)) (k_J e^(Gamma_r - Gamma_J))^T, both 
 g <= 0 (a product on the tensor cores, no overflow whatever the decay); inside X, a loop over its
 16 columns. A_kk is the same with beta_i k_i for q_i and j < i.
 
-Legend as in reference.py; R = B * T rows. Intermediates are fp32.
+Legend as in reference.py; R = B * T rows. Intermediates are stored in fp32; the products take
+their operands in the inputs' dtype (bf16 tensor cores for bf16 inputs, IEEE fp32 for fp32) and
+sum in fp32; the inverse's products are IEEE fp32 always.
 """
 from __future__ import annotations
 
