@@ -39,7 +39,9 @@ def kda_gate(g_raw_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.
     return lower_bound * torch.sigmoid(a * x)
 
 
-def _segments(T: int, cu_seqlens: torch.Tensor | None, B: int) -> list[tuple[int, int]]:
+def segments(T: int, cu_seqlens: torch.Tensor | None, B: int) -> list[tuple[int, int]]:
+    """Each sequence's [start, end) along T: all of T without ``cu_seqlens``; checks them (B == 1,
+    rising from 0 to T). The Triton form cuts its chunks by the same rule."""
     if cu_seqlens is None:
         return [(0, T)]
     if B != 1:
@@ -73,7 +75,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     V = v.shape[-1]
     dtype, (q, k, v, g, beta) = _prepare(q, k, v, g, beta, scale)
     outs, finals = [], []
-    for n, (a, b) in enumerate(_segments(T, cu_seqlens, B)):
+    for n, (a, b) in enumerate(segments(T, cu_seqlens, B)):
         S_BHKV = _start_state(initial_state, n, cu_seqlens is not None, (B, H, K, V), dtype, q.device)
         for t in range(a, b):
             S_BHKV = S_BHKV * g[:, t].exp()[..., None]
@@ -93,7 +95,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     dtype, (q, k, v, g, beta) = _prepare(q, k, v, g, beta, scale)
     C = chunk_size
     outs, finals = [], []
-    for n, (a, b) in enumerate(_segments(T, cu_seqlens, B)):
+    for n, (a, b) in enumerate(segments(T, cu_seqlens, B)):
         L = b - a
         pad = (-L) % C  # pad tokens: no decay (g=0), no write (beta=0, k=0): S passes unchanged
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import dot_precision
+from kernels.kda.reference import segments
 
 C = 64  # chunk
 BC = 16  # row block inside a chunk
@@ -49,18 +50,29 @@ def _rows(CHUNKS, c):
 
 
 @triton.jit
+def _tile_v(P, rows, ok, h, H, D, d0, BD: tl.constexpr):
+    """[rows, columns d0..d0+BD) of head h from a [R, H, D] tensor, fp32; zeros outside."""
+    d = d0 + tl.arange(0, BD)
+    return tl.load(P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], mask=ok[:, None] & (d[None, :] < D),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _put_v(P, x, rows, ok, h, H, D, d0, BD: tl.constexpr):
+    d = d0 + tl.arange(0, BD)
+    tl.store(P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], x.to(P.dtype.element_ty),
+             mask=ok[:, None] & (d[None, :] < D))
+
+
+@triton.jit
 def _tile(P, rows, ok, h, H, D, BD: tl.constexpr):
-    """[rows, D] of head h from a [R, H, D] tensor, fp32; zeros outside."""
-    d = tl.arange(0, BD)
-    m = ok[:, None] & (d[None, :] < D)
-    return tl.load(P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+    """All of a row's D columns (BD >= D)."""
+    return _tile_v(P, rows, ok, h, H, D, 0, BD)
 
 
 @triton.jit
 def _put(P, x, rows, ok, h, H, D, BD: tl.constexpr):
-    d = tl.arange(0, BD)
-    tl.store(P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], x.to(P.dtype.element_ty),
-             mask=ok[:, None] & (d[None, :] < D))
+    _put_v(P, x, rows, ok, h, H, D, 0, BD)
 
 
 @triton.jit
@@ -260,20 +272,6 @@ def _states(Kt, W, U, G, H0, HS, VN, HT, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr
         S = S * tl.exp(g_last)[:, None] + _dot(tl.trans(kd), vn, DT, PREC)
     p, m = _state_ptrs(HT, n, h, H, K, VD, v0, BK, BV)
     tl.store(p, S, mask=m)
-
-
-@triton.jit
-def _put_v(P, x, rows, ok, h, H, VD, v0, BV: tl.constexpr):
-    e = v0 + tl.arange(0, BV)
-    tl.store(P + (rows[:, None].to(tl.int64) * H + h) * VD + e[None, :], x.to(P.dtype.element_ty),
-             mask=ok[:, None] & (e[None, :] < VD))
-
-
-@triton.jit
-def _tile_v(P, rows, ok, h, H, VD, v0, BV: tl.constexpr):
-    e = v0 + tl.arange(0, BV)
-    return tl.load(P + (rows[:, None].to(tl.int64) * H + h) * VD + e[None, :], mask=ok[:, None] & (e[None, :] < VD),
-                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -548,13 +546,9 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     """``reference.kda_chunk`` in Triton (chunks of 64 whatever ``chunk_size`` says: the chunk
     size changes the order of the sums, not the result). o and the final state in fp32."""
     B, T, H, K = q.shape
-    if cu_seqlens is None:
+    if cu_seqlens is None:  # each row a sequence
         cu = list(range(0, B * T + 1, T)) if T else [0] * (B + 1)
     else:
-        if B != 1:
-            raise ValueError(f"cu_seqlens needs the sequences packed into a batch of 1, got B={B}")
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu}")
+        cu = [a for a, _ in segments(T, cu_seqlens, B)] + [T]  # checked as the reference checks them
     scale = K ** -0.5 if scale is None else scale
     return _KDA.apply(q, k, v, g, beta, scale, initial_state, cu)
