@@ -31,7 +31,6 @@ from kernels.dispatch import dot_precision
 from kernels.kda.reference import segments
 
 C = 64  # chunk
-BC = 16  # row block inside a chunk
 
 
 @triton.jit
@@ -128,11 +127,19 @@ def _block(Q, Kt, BETA, G, row0, last, h, H, scale, K, BK: tl.constexpr):
 
 
 @triton.jit
+def _earlier_keys(Kt, G, row0, last, g_r, h, H, K, BK: tl.constexpr):
+    """k_J e^(Gamma_r - Gamma_J) on the row block [row0, row0 + 16) before the reference row r:
+    the earlier block's factor of the split products (<= 1)."""
+    rows = row0 + tl.arange(0, 16)
+    ok = rows <= last
+    return _tile(Kt, rows, ok, h, H, K, BK) * tl.exp(g_r[None, :] - _gamma(G, rows, ok, last, h, H, K, BK))
+
+
+@triton.jit
 def _intra(Q, Kt, BETA, G, AQK, AKK, CHUNKS, scale, H, K, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """A_qk (j <= i) and A_kk (beta_i, j < i) of one chunk and head, by row blocks of 16."""
     c, h = tl.program_id(0), tl.program_id(1)
     bos, _, _, last = _rows(CHUNKS, c)
-    end = last + 1
     i16 = tl.arange(0, 16)
     for X in tl.static_range(4):
         rX, okX, gX, g_r, qX, kX, bX = _block(Q, Kt, BETA, G, bos + X * 16, last, h, H, scale, K, BK)
@@ -140,8 +147,7 @@ def _intra(Q, Kt, BETA, G, AQK, AKK, CHUNKS, scale, H, K, BK: tl.constexpr, DT: 
         aq = qX * dX
         ak = kX * dX
         for J in tl.static_range(X):
-            rJ = bos + J * 16 + i16
-            kJ = _tile(Kt, rJ, rJ < end, h, H, K, BK) * tl.exp(g_r[None, :] - _gamma(G, rJ, rJ < end, last, h, H, K, BK))
+            kJ = _earlier_keys(Kt, G, bos + J * 16, last, g_r, h, H, K, BK)
             _put_square(AQK, _dot(aq, tl.trans(kJ), DT, PREC), rX, okX, h, H, J * 16, 16)
             _put_square(AKK, _dot(ak, tl.trans(kJ), DT, PREC) * bX[:, None], rX, okX, h, H, J * 16, 16)
         aqd = tl.zeros([16, 16], tl.float32)
@@ -317,7 +323,7 @@ def _dstates(Q, Kt, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, scale, H, K, 
         qg = _tile(Q, rows, ok, h, H, K, BK) * scale * tl.exp(gm)
         dS = dS * tl.exp(g_last)[:, None] + _dot(tl.trans(qg), do, DT, PREC)
         dS -= _dot(tl.trans(_tile(W, rows, ok, h, H, K, BK)), dvn, DT, PREC)
-    p, m = _state_ptrs(DH0, n, h, H, K, VD, 0 + v0, BK, BV)
+    p, m = _state_ptrs(DH0, n, h, H, K, VD, v0, BK, BV)
     tl.store(p, dS, mask=m)
 
 
@@ -394,7 +400,6 @@ def _dintra(Q, Kt, BETA, G, DAQK, DAKK, DQ, DK, DB, DG, CHUNKS, scale, H, K, BK:
     and dk leave here final (dq times the scale)."""
     c, h = tl.program_id(0), tl.program_id(1)
     bos, _, _, last = _rows(CHUNKS, c)
-    end = last + 1
     i16 = tl.arange(0, 16)
     for X in tl.static_range(4):
         rX, okX, gX, g_r, qX, kX, bX = _block(Q, Kt, BETA, G, bos + X * 16, last, h, H, scale, K, BK)
@@ -402,8 +407,7 @@ def _dintra(Q, Kt, BETA, G, DAQK, DAKK, DQ, DK, DB, DG, CHUNKS, scale, H, K, BK:
         daq = tl.zeros([16, BK], tl.float32)
         dak = tl.zeros([16, BK], tl.float32)
         for J in tl.static_range(X):
-            rJ = bos + J * 16 + i16
-            kJ = _tile(Kt, rJ, rJ < end, h, H, K, BK) * tl.exp(g_r[None, :] - _gamma(G, rJ, rJ < end, last, h, H, K, BK))
+            kJ = _earlier_keys(Kt, G, bos + J * 16, last, g_r, h, H, K, BK)
             daq += _dot(_square(DAQK, rX, okX, h, H, J * 16, 16), kJ, DT, PREC)
             dak += _dot(_square(DAKK, rX, okX, h, H, J * 16, 16), kJ, DT, PREC)
         dX = tl.exp(gX - g_r[None, :])
@@ -413,16 +417,11 @@ def _dintra(Q, Kt, BETA, G, DAQK, DAKK, DQ, DK, DB, DG, CHUNKS, scale, H, K, BK:
         dbq = tl.zeros([16, BK], tl.float32)
         dbk = tl.zeros([16, BK], tl.float32)
         for I in tl.static_range(X + 1, 4):
-            rI = bos + I * 16 + i16
-            okI = rI < end
-            g_rI = _row(G, tl.minimum(bos + I * 16, last), h, H, K, BK)
-            dI = tl.exp(_gamma(G, rI, okI, last, h, H, K, BK) - g_rI[None, :])
-            bI = _beta(BETA, rI, okI, h, H)
+            rI, okI, gI, g_rI, qI, kI, bI = _block(Q, Kt, BETA, G, bos + I * 16, last, h, H, scale, K, BK)
+            dI = tl.exp(gI - g_rI[None, :])
             eX = tl.exp(g_rI[None, :] - gX)
-            dbq += eX * _dot(tl.trans(_square(DAQK, rI, okI, h, H, X * 16, 16)),
-                               _tile(Q, rI, okI, h, H, K, BK) * scale * dI, DT, PREC)
-            dbk += eX * _dot(tl.trans(_square(DAKK, rI, okI, h, H, X * 16, 16)),
-                               _tile(Kt, rI, okI, h, H, K, BK) * bI[:, None] * dI, DT, PREC)
+            dbq += eX * _dot(tl.trans(_square(DAQK, rI, okI, h, H, X * 16, 16)), qI * dI, DT, PREC)
+            dbk += eX * _dot(tl.trans(_square(DAKK, rI, okI, h, H, X * 16, 16)), kI * bI[:, None] * dI, DT, PREC)
         # inside X, column by column
         dAq = _square(DAQK, rX, okX, h, H, X * 16, 16)
         dAk = _square(DAKK, rX, okX, h, H, X * 16, 16)
