@@ -69,13 +69,18 @@ def measure(fn, x, cu) -> dict:
 
 
 def profile(T: int, H: int, d: int, doc: int) -> None:
+    """The CUDA kernels' times of one forward + backward, ours and fla-core's."""
     x, cu = inputs(T, H, d, doc)
-    measure(methods()["Kiln Triton"], x, cu)  # compiled and warm
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        o, ht = ours.kda_chunk(**x, cu_seqlens=cu)
-        (o.sum() + ht.sum()).backward()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16))
+    for name, fn in methods().items():
+        if name == "PyTorch reference":
+            continue
+        measure(fn, x, cu)  # compiled, tuned and warm
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            o, ht = fn(x, cu)
+            (o.float().sum() + ht.float().sum()).backward()
+            torch.cuda.synchronize()
+        print(f"{name}:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
 
 
 def main() -> None:
@@ -85,7 +90,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--doc", type=int, default=8192)
     p.add_argument("--reference-up-to", type=int, default=32768 * 16, help="largest tokens x heads for the reference")
-    p.add_argument("--profile", action="store_true", help="first, the Triton kernels' times at the first shape")
+    p.add_argument("--profile", action="store_true", help="first, the kernels' times at the first shape")
     p.add_argument("--out", default="bench/results/kda.json")
     a = p.parse_args()
     d, C = a.dim, 64
