@@ -7,6 +7,7 @@ the PyTorch reference, in one run.
 q, k (L2-normalised), v and beta in bf16; g in fp32 from the bounded gate (K3's, lower bound -5);
 one packed row with cu_seqlens. FLOPs counted as in shared/MODEL_NOTES.md, per head
 6 T d^2 + 3 T C d + T C^2 (C = 64) for the forward and three times that for forward + backward.
+Tokens/s counts the packed row's tokens (all heads together).
 Median of 5 timed calls after 2. Baseline: fla-core. Writes bench/results/kda.json.
 """
 from __future__ import annotations
@@ -95,9 +96,9 @@ def main() -> None:
     a = p.parse_args()
     d, C = a.dim, 64
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; d={d}, documents of {a.doc}, bf16")
-    print("| tokens | heads | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak GiB (fwd+bwd) | "
-          "fwd vs fla | fwd+bwd vs fla |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| tokens | heads | method | fwd ms | fwd Mtok/s | fwd TFLOP/s | fwd+bwd ms | fwd+bwd Mtok/s | "
+          "fwd+bwd TFLOP/s | peak GiB (fwd+bwd) | fwd vs fla | fwd+bwd vs fla |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     if a.profile:
         profile(a.tokens[0], a.heads[0], d, a.doc)
     rows = []
@@ -113,16 +114,18 @@ def main() -> None:
             base = res.get("fla-core chunk_kda") or {}
             for name, m in res.items():
                 if not m:
-                    print(f"| {T} | {H} | {name} | out of memory | | | | | | |")
+                    print(f"| {T} | {H} | {name} | out of memory | | | | | | | | |")
                     continue
-                row = {"tokens": T, "heads": H, "method": name, **m, "fwd_tflops": flops / m["fwd_ms"] / 1e9,
+                row = {"tokens": T, "heads": H, "method": name, **m, "fwd_mtok_s": T / m["fwd_ms"] / 1e3,
+                       "fwd_bwd_mtok_s": T / m["fwd_bwd_ms"] / 1e3, "fwd_tflops": flops / m["fwd_ms"] / 1e9,
                        "fwd_bwd_tflops": 3 * flops / m["fwd_bwd_ms"] / 1e9,
                        "fwd_vs_fla": base["fwd_ms"] / m["fwd_ms"] if base else None,
                        "fwd_bwd_vs_fla": base["fwd_bwd_ms"] / m["fwd_bwd_ms"] if base else None}
                 rows.append(row)
                 ratio = (lambda v: f"{v:.2f}x" if v else "-")
-                print(f"| {T} | {H} | {name} | {m['fwd_ms']:.2f} | {row['fwd_tflops']:.1f} | {m['fwd_bwd_ms']:.2f} | "
-                      f"{row['fwd_bwd_tflops']:.1f} | {m['peak_gib']:.1f} | {ratio(row['fwd_vs_fla'])} | "
+                print(f"| {T} | {H} | {name} | {m['fwd_ms']:.2f} | {row['fwd_mtok_s']:.2f} | {row['fwd_tflops']:.1f} | "
+                      f"{m['fwd_bwd_ms']:.2f} | {row['fwd_bwd_mtok_s']:.2f} | {row['fwd_bwd_tflops']:.1f} | "
+                      f"{m['peak_gib']:.1f} | {ratio(row['fwd_vs_fla'])} | "
                       f"{ratio(row['fwd_bwd_vs_fla'])} |", flush=True)
             del x
             torch.cuda.empty_cache()
