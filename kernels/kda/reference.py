@@ -128,8 +128,8 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
             o_c.append((q_c[:, :, c] * G[:, :, c].exp()) @ S + A_qk[:, :, c] @ Vn)
             last = G[:, :, c, -1]  # [B, H, K]
             S = last.exp()[..., None] * S + ((last[:, :, None, :] - G[:, :, c]).exp() * k_c[:, :, c]).transpose(-1, -2) @ Vn
-        o = torch.stack(o_c, 2).permute(0, 2, 3, 1, 4).reshape(B, -1, H, V)[:, :L]  # B NC C H V -> B L H V
-        outs.append(o)
+        if o_c:  # an empty sequence has no chunks: no output, its state passes through
+            outs.append(torch.stack(o_c, 2).permute(0, 2, 3, 1, 4).reshape(B, -1, H, V)[:, :L])  # B NC C H V -> B L H V
         finals.append(S)
-    o = torch.cat(outs, 1)
+    o = torch.cat(outs, 1) if outs else q.new_zeros(B, 0, H, V)
     return o, torch.cat(finals) if cu_seqlens is not None else finals[0]

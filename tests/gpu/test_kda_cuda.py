@@ -50,7 +50,7 @@ def check(x, cu, dtype, N):
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
 @pytest.mark.parametrize("lens,H,K,V,state,lower_bound", [
-    ([5, 70, 64, 1, 130], 2, 16, 32, True, None),
+    ([5, 70, 0, 64, 1, 130], 2, 16, 32, True, None),  # an empty sequence among them
     ([200], 1, 32, 16, False, -5.0),
     ([40, 90], 1, 128, 16, True, None),  # K in two blocks of 64
     pytest.param([3000, 17, 1000, 4000], 4, 128, 128, True, -5.0, marks=gpu_only),

@@ -59,16 +59,17 @@ def test_fp32_chunk_against_fp64():
 
 
 def test_variable_length_resets_the_state_per_sequence():
-    lens = [5, 64, 1, 30]
+    lens = [5, 64, 0, 1, 30]  # an empty sequence: its initial state is its final one
     x = inputs(1, sum(lens), 2, 8, 4, seed=5)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     h0 = torch.randn(len(lens), 2, 8, 4, dtype=torch.float64)
     for fn in (kda_recurrent, lambda **a: kda_chunk(**a, chunk_size=16)):
         o, S = fn(**x, initial_state=h0, cu_seqlens=cu)
-        assert S.shape == (4, 2, 8, 4)
+        assert S.shape == (5, 2, 8, 4) and torch.equal(S[2], h0[2])
         for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
             alone, s_alone = kda_recurrent(**{k: v[:, a:b] for k, v in x.items()}, initial_state=h0[n:n + 1])
-            assert rel(o[:, a:b], alone) < 1e-12 and rel(S[n:n + 1], s_alone) < 1e-12
+            assert o[:, a:b].shape == alone.shape and (a == b or rel(o[:, a:b], alone) < 1e-12)
+            assert rel(S[n:n + 1], s_alone) < 1e-12
     with pytest.raises(ValueError, match="batch of 1"):
         kda_chunk(**inputs(2, 10, 1, 4, 4), cu_seqlens=torch.tensor([0, 10]))
 
