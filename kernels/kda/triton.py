@@ -107,11 +107,10 @@ def _put_square(P, x, rows, ok, h, H, cols0, NC: tl.constexpr):
 
 
 @triton.jit
-def _lower(P, rows, ok, h, H, STRICT: tl.constexpr):
-    """A chunk's [64, 64] lower triangle (with the diagonal unless STRICT), zeros above."""
+def _lower(P, rows, ok, h, H):
+    """A chunk's [64, 64] lower triangle with the diagonal, zeros above."""
     i = tl.arange(0, 64)
-    keep = (i[None, :] < i[:, None]) if STRICT else (i[None, :] <= i[:, None])
-    return tl.where(keep, _square(P, rows, ok, h, H, 0, 64), 0.0)
+    return tl.where(i[None, :] <= i[:, None], _square(P, rows, ok, h, H, 0, 64), 0.0)
 
 
 @triton.jit
@@ -269,7 +268,7 @@ def _wu(Kt, V, BETA, G, MI, W, U, CHUNKS, H, K, VD, BK: tl.constexpr, BV: tl.con
     """W = Mi (beta e^Gamma k), U = Mi (beta v) of one chunk and head."""
     c, h = tl.program_id(0), tl.program_id(1)
     bos, rows, ok, last = _rows(CHUNKS, c)
-    Mi = _lower(MI, rows, ok, h, H, False)
+    Mi = _lower(MI, rows, ok, h, H)
     b = _beta(BETA, rows, ok, h, H)
     kb = _tile(Kt, rows, ok, h, H, K, BK) * tl.exp(_gamma(G, rows, ok, last, h, H, K, 0, BK)) * b[:, None]
     _put(W, _dot(Mi, kb, DT, PREC), rows, ok, h, H, K, BK)
@@ -318,7 +317,7 @@ def _output(Q, G, AQK, HS, VN, O, CHUNKS, scale, H, K, VD, BK: tl.constexpr, BV:
     qg = _tile(Q, rows, ok, h, H, K, BK) * scale * tl.exp(_gamma(G, rows, ok, last, h, H, K, 0, BK))
     p, m = _state_ptrs(HS, c, h, H, K, VD, v0, BK, BV)
     o = _dot(qg, tl.load(p, mask=m, other=0.0), DT, PREC)
-    o += _dot(_lower(AQK, rows, ok, h, H, False), _tile_v(VN, rows, ok, h, H, VD, v0, BV), DT, PREC)
+    o += _dot(_lower(AQK, rows, ok, h, H), _tile_v(VN, rows, ok, h, H, VD, v0, BV), DT, PREC)
     _put_v(O, o, rows, ok, h, H, VD, v0, BV)
 
 
@@ -342,7 +341,7 @@ def _dstates(Q, Kt, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, scale, H, K, 
         g_last = _row(G, last, h, H, K, 0, BK)
         k = _tile(Kt, rows, ok, h, H, K, BK)
         do = _tile_v(DO, rows, ok, h, H, VD, v0, BV)
-        dvn = _dot(tl.trans(_lower(AQK, rows, ok, h, H, False)), do, DT, PREC)
+        dvn = _dot(tl.trans(_lower(AQK, rows, ok, h, H)), do, DT, PREC)
         dvn += _dot(k * tl.exp(g_last[None, :] - gm), dS, DT, PREC)
         _put_v(DVN, dvn, rows, ok, h, H, VD, v0, BV)
         qg = _tile(Q, rows, ok, h, H, K, BK) * scale * tl.exp(gm)
@@ -362,7 +361,7 @@ def _dlocal(Q, Kt, V, BETA, G, MI, VN, DVN, DO, HS, DH, DQ, DK, DV, DB, DG, DAQK
     c, h = tl.program_id(0), tl.program_id(1)
     bos, rows, ok, last = _rows(CHUNKS, c)
     b = _beta(BETA, rows, ok, h, H)
-    Mi = _lower(MI, rows, ok, h, H, False)
+    Mi = _lower(MI, rows, ok, h, H)
     dAqk = tl.zeros([64, 64], tl.float32)
     dMi = tl.zeros([64, 64], tl.float32)
     db = tl.zeros([64], tl.float32)
@@ -516,8 +515,8 @@ class _Shapes:
         self.V = v.shape[-1]
         self.NC, self.N = chunks.numel() // 2, seq.numel() - 1
         self.BK, self.BV = triton.next_power_of_2(self.K), triton.next_power_of_2(self.V)
-        # V block of the sequential kernels (more programs in flight) and of _dlocal; fp32 tiles take
-        # twice the shared memory
+        # V block of the sequential kernels and _output (more programs in flight; 16 and 32 measured
+        # slower for bf16 on the H200); fp32 tiles take twice the shared memory
         self.BVS = min(self.BV, 64 if q.element_size() == 2 else 32)
         self.BKS = min(self.BK, 64)  # K block of _dlocal and _dintra
         self.PREC = dot_precision(q)
