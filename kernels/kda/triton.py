@@ -263,15 +263,21 @@ def _solve(AKK, MI, CHUNKS, H):
 
 
 @triton.jit
-def _wu(Kt, V, BETA, G, MI, W, U, CHUNKS, H, K, VD, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-        PREC: tl.constexpr):
-    """W = Mi (beta e^Gamma k), U = Mi (beta v) of one chunk and head."""
+def _wu(Q, Kt, V, BETA, G, MI, W, U, KD, QG, CHUNKS, scale, H, K, VD, BK: tl.constexpr, BV: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr):
+    """W = Mi (beta e^Gamma k), U = Mi (beta v) of one chunk and head; and the decayed keys and
+    queries the chunk-by-chunk kernels multiply with, KD = k e^(Gamma_C - Gamma), QG = q e^Gamma
+    (scaled), so that no exponential of a tile is left on their sequential path."""
     c, h = tl.program_id(0), tl.program_id(1)
     bos, rows, ok, last = _rows(CHUNKS, c)
     Mi = _lower(MI, rows, ok, h, H)
     b = _beta(BETA, rows, ok, h, H)
-    kb = _tile(Kt, rows, ok, h, H, K, BK) * tl.exp(_gamma(G, rows, ok, last, h, H, K, 0, BK)) * b[:, None]
-    _put(W, _dot(Mi, kb, DT, PREC), rows, ok, h, H, K, BK)
+    k = _tile(Kt, rows, ok, h, H, K, BK)
+    gm = _gamma(G, rows, ok, last, h, H, K, 0, BK)
+    eg = tl.exp(gm)
+    _put(KD, k * tl.exp(_row(G, last, h, H, K, 0, BK)[None, :] - gm), rows, ok, h, H, K, BK)
+    _put(QG, _tile(Q, rows, ok, h, H, K, BK) * scale * eg, rows, ok, h, H, K, BK)
+    _put(W, _dot(Mi, k * eg * b[:, None], DT, PREC), rows, ok, h, H, K, BK)
     _put(U, _dot(Mi, _tile(V, rows, ok, h, H, VD, BV) * b[:, None], DT, PREC), rows, ok, h, H, VD, BV)
 
 
@@ -284,7 +290,7 @@ def _state_ptrs(P, n, h, H, K, VD, v0, BK: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def _states(Kt, W, U, G, H0, HS, VN, HT, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr, BV: tl.constexpr,
+def _states(KD, W, U, G, H0, HS, VN, HT, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr, BV: tl.constexpr,
             HAS_H0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Per sequence, head and block of V, the chunks in order: HS[c] = the state at chunk c's
     start, VN = U - W S; the final state into HT."""
@@ -300,29 +306,27 @@ def _states(Kt, W, U, G, H0, HS, VN, HT, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr
         bos, rows, ok, last = _rows(CHUNKS, c)
         vn = _tile_v(U, rows, ok, h, H, VD, v0, BV) - _dot(_tile(W, rows, ok, h, H, K, BK), S, DT, PREC)
         _put_v(VN, vn, rows, ok, h, H, VD, v0, BV)
-        gm = _gamma(G, rows, ok, last, h, H, K, 0, BK)
-        g_last = _row(G, last, h, H, K, 0, BK)
-        kd = _tile(Kt, rows, ok, h, H, K, BK) * tl.exp(g_last[None, :] - gm)
-        S = S * tl.exp(g_last)[:, None] + _dot(tl.trans(kd), vn, DT, PREC)
+        S = S * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(tl.trans(_tile(KD, rows, ok, h, H, K, BK)), vn,
+                                                                       DT, PREC)
     p, m = _state_ptrs(HT, n, h, H, K, VD, v0, BK, BV)
     tl.store(p, S, mask=m)
 
 
 @triton.jit
-def _output(Q, G, AQK, HS, VN, O, CHUNKS, scale, H, K, VD, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+def _output(QG, AQK, HS, VN, O, CHUNKS, H, K, VD, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+            PREC: tl.constexpr):
     """O = (q e^Gamma) S + A_qk V' for one chunk, head and block of V."""
     c, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     v0 = vb * BV
     bos, rows, ok, last = _rows(CHUNKS, c)
-    qg = _tile(Q, rows, ok, h, H, K, BK) * scale * tl.exp(_gamma(G, rows, ok, last, h, H, K, 0, BK))
     p, m = _state_ptrs(HS, c, h, H, K, VD, v0, BK, BV)
-    o = _dot(qg, tl.load(p, mask=m, other=0.0), DT, PREC)
+    o = _dot(_tile(QG, rows, ok, h, H, K, BK), tl.load(p, mask=m, other=0.0), DT, PREC)
     o += _dot(_lower(AQK, rows, ok, h, H), _tile_v(VN, rows, ok, h, H, VD, v0, BV), DT, PREC)
     _put_v(O, o, rows, ok, h, H, VD, v0, BV)
 
 
 @triton.jit
-def _dstates(Q, Kt, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, scale, H, K, VD, BK: tl.constexpr,
+def _dstates(QG, KD, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr,
              BV: tl.constexpr, HAS_DHT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """The chunks in reverse: DH[c] = dS at chunk c's end; dV' = A_qk^T dO + (k e^(Gamma_C - Gamma)) dS;
     dS at the chunk's start = (q e^Gamma)^T dO + e^Gamma_C dS - W^T dV'. The first into DH0."""
@@ -337,15 +341,12 @@ def _dstates(Q, Kt, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, scale, H, K, 
         p, m = _state_ptrs(DH, c, h, H, K, VD, v0, BK, BV)
         tl.store(p, dS, mask=m)
         bos, rows, ok, last = _rows(CHUNKS, c)
-        gm = _gamma(G, rows, ok, last, h, H, K, 0, BK)
-        g_last = _row(G, last, h, H, K, 0, BK)
-        k = _tile(Kt, rows, ok, h, H, K, BK)
         do = _tile_v(DO, rows, ok, h, H, VD, v0, BV)
         dvn = _dot(tl.trans(_lower(AQK, rows, ok, h, H)), do, DT, PREC)
-        dvn += _dot(k * tl.exp(g_last[None, :] - gm), dS, DT, PREC)
+        dvn += _dot(_tile(KD, rows, ok, h, H, K, BK), dS, DT, PREC)
         _put_v(DVN, dvn, rows, ok, h, H, VD, v0, BV)
-        qg = _tile(Q, rows, ok, h, H, K, BK) * scale * tl.exp(gm)
-        dS = dS * tl.exp(g_last)[:, None] + _dot(tl.trans(qg), do, DT, PREC)
+        dS = dS * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(tl.trans(_tile(QG, rows, ok, h, H, K, BK)), do,
+                                                                         DT, PREC)
         dS -= _dot(tl.trans(_tile(W, rows, ok, h, H, K, BK)), dvn, DT, PREC)
     p, m = _state_ptrs(DH0, n, h, H, K, VD, v0, BK, BV)
     tl.store(p, dS, mask=m)
@@ -542,19 +543,20 @@ def _prepare(q, k, g, beta, scale, chunks, s: _Shapes):
     return G, Aqk, Mi
 
 
-def _recurrence(k, v, g, beta, G, Mi, h0, chunks, seq, s: _Shapes):
-    """W, the state at each chunk's start, V' = U - W S and the final state."""
+def _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s: _Shapes):
+    """W, the decayed keys and queries, the state at each chunk's start, V' = U - W S and the final state."""
     R, H, K, V = s.R, s.H, s.K, s.V
-    W = k.new_empty(R, H, K, dtype=s.low)
+    W, KD, QG = (k.new_empty(R, H, K, dtype=s.low) for _ in range(3))
     U = k.new_empty(R, H, V, dtype=torch.float32)
-    _wu[(s.NC, H)](k, v, beta, G, Mi, W, U, chunks, H, K, V, BK=s.BK, BV=s.BV, DT=s.DT, PREC=s.PREC, num_warps=8)
+    _wu[(s.NC, H)](q, k, v, beta, G, Mi, W, U, KD, QG, chunks, scale, H, K, V, BK=s.BK, BV=s.BV, DT=s.DT, PREC=s.PREC,
+                   num_warps=8)
     HS = k.new_empty(s.NC, H, K, V, dtype=torch.float32)
     VN = k.new_empty(R, H, V, dtype=s.low)
     HT = k.new_empty(s.N, H, K, V, dtype=torch.float32)
-    _states[(triton.cdiv(V, s.BVS), s.N * H)](k, W, U, G, h0 if h0 is not None else HT, HS, VN, HT, chunks, seq,
+    _states[(triton.cdiv(V, s.BVS), s.N * H)](KD, W, U, G, h0 if h0 is not None else HT, HS, VN, HT, chunks, seq,
                                               H, K, V, BK=s.BK, BV=s.BVS, HAS_H0=h0 is not None, DT=s.DT,
                                               PREC=s.PREC, num_stages=2)
-    return W, HS, VN, HT
+    return W, KD, QG, HS, VN, HT
 
 
 class _KDA(torch.autograd.Function):
@@ -568,10 +570,10 @@ class _KDA(torch.autograd.Function):
         ctx.h0_dtype = h0.dtype if h0 is not None else None
         h0 = h0.float().contiguous() if h0 is not None else None
         G, Aqk, Mi = _prepare(q, k, g, beta, scale, chunks, s)
-        _, HS, VN, HT = _recurrence(k, v, g, beta, G, Mi, h0, chunks, seq, s)
+        _, _, QG, HS, VN, HT = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
         o = torch.empty(B, T, H, s.V, device=q.device, dtype=torch.float32)
-        _output[(s.NC, H, triton.cdiv(s.V, s.BVS))](q, G, Aqk, HS, VN, o, chunks, scale, H, K, s.V, BK=s.BK,
-                                                    BV=s.BVS, DT=s.DT, PREC=s.PREC)
+        _output[(s.NC, H, triton.cdiv(s.V, s.BVS))](QG, Aqk, HS, VN, o, chunks, H, K, s.V, BK=s.BK, BV=s.BVS, DT=s.DT,
+                                                    PREC=s.PREC)
         ctx.save_for_backward(*flat, h0 if h0 is not None else HT.new_empty(0), chunks, seq, Aqk, Mi)
         ctx.scale, ctx.s, ctx.has_h0 = scale, s, h0 is not None
         return o, HT
@@ -584,14 +586,14 @@ class _KDA(torch.autograd.Function):
         R, H, K, V, NC, N = s.R, s.H, s.K, s.V, s.NC, s.N
         G = q.new_empty(R, H, K, dtype=torch.float32)
         _cumsum[(NC, H)](g, G, chunks, H, K, BK=s.BK, REVERSE=False)
-        W, HS, VN, _ = _recurrence(k, v, g, beta, G, Mi, h0, chunks, seq, s)
+        W, KD, QG, HS, VN, _ = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
         do = do.float().contiguous()
         f32 = torch.float32
         DH = torch.empty_like(HS)
         DVN = q.new_empty(R, H, V, dtype=s.low)
         DH0 = q.new_empty(N, H, K, V, dtype=f32)
-        _dstates[(triton.cdiv(V, s.BVS), N * H)](q, k, G, W, Aqk, do, dht.float().contiguous() if dht is not None
-                                                 else DH0, DH, DVN, DH0, chunks, seq, scale, H, K, V, BK=s.BK,
+        _dstates[(triton.cdiv(V, s.BVS), N * H)](QG, KD, G, W, Aqk, do, dht.float().contiguous() if dht is not None
+                                                 else DH0, DH, DVN, DH0, chunks, seq, H, K, V, BK=s.BK,
                                                  BV=s.BVS, HAS_DHT=dht is not None, DT=s.DT, PREC=s.PREC,
                                                  num_stages=2)
         dq, dk, dG = (q.new_empty(R, H, K, dtype=f32) for _ in range(3))
