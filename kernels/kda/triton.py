@@ -4,8 +4,9 @@ Sequences (``cu_seqlens``, or the batch's rows) are cut into chunks of C = 64 to
 straddle two sequences. Per (chunk, head), with Gamma = cumsum(g) inside the chunk:
 
 - forward: ``_cumsum`` (Gamma), ``_intra`` (A_qk, A_kk; a program per 16-row block), ``_solve``
-  ((I + A_kk)^-1 by blocks), ``_wu`` (W, U), ``_states`` (the chunks in order per sequence and
-  head: the state at each chunk's start, V' = U - W S), ``_output`` (O = (Q e^Gamma) S + A_qk V');
+  ((I + A_kk)^-1 by blocks), ``_wu`` (W, U, the decayed keys and queries), ``_states`` (the chunks
+  in order per sequence and head: the state at each chunk's start, V' = U - W S), ``_output``
+  (O = (Q e^Gamma) S + A_qk V');
 - backward: A_qk and the inverse come from the forward; ``_cumsum``, ``_wu`` and ``_states`` again,
   ``_dstates`` (the chunks in reverse: dS at each chunk's end, dV'), ``_dlocal`` (every gradient
   that needs S, dS, V' or the inverse, and dA_qk, dA_kk), ``_dintra`` (the gradients through
