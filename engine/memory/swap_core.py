@@ -17,7 +17,11 @@ after the forward and recomputed from the block's inputs in the backward.
   (float8 e4m3) or ``int8`` (absmax). 1.125 bytes an element instead of 2. fp32 outputs (router
   scores, computed in fp32 on purpose) stay exact. e4m3 keeps 3 mantissa bits whatever the
   scale, ~2.4% relative error on Gaussian-like rows; int8 uses the narrow range inside a
-  block, ~0.7% (measured on CPU, tests/unit/test_swap_core.py), so int8 is the precise one.
+  block, ~0.7% (measured on CPU, tests/unit/test_swap_core.py), so int8 is the precise one:
+  its gradients stay within bf16's 1e-2 of the unquantized ones, fp8's do not (~2e-2).
+- Selections (``SELECTIONS``: DSA's top-k) are kept whenever anything is, whatever ``cache_ops``
+  says: the recompute must choose what the forward chose, and from quantized kept values it might
+  not.
 
 Unquantized, the gradients are bit-equal to a run without recompute: a kept value is the
 forward's own value, and every other op is recomputed deterministically with the forward's RNG
@@ -41,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+import kernels.dsa  # noqa: F401  (registers kiln::indexer_topk, one of SELECTIONS)
 from engine.spec import MemorySpec
 
 aten = torch.ops.aten
@@ -52,6 +57,11 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
     "attention": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                   "_scaled_dot_product_cudnn_attention"),
 }
+# Discrete choices: kept whenever anything is (a few bytes a token), so that the recompute repeats
+# the forward's choice exactly. Recomputed from quantized kept values they could differ, and the
+# backward would differentiate another forward (DSA's top-k: 0.022 -> 0.006 gradient error with
+# int8 caches, measured on the CPU hybrid); kept, the recompute also skips the indexer's scores.
+SELECTIONS = frozenset({torch.ops.kiln.indexer_topk.default.overloadpacket})
 QUANT = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # code dtype, largest code
 BLOCK = 32  # elements per quantization scale
 
@@ -120,7 +130,7 @@ class SwapCore:
     def __init__(self, spec: MemorySpec):
         check_spec(spec)
         self.spec = spec
-        self.ops = resolve_ops(spec.cache_ops) if spec.recompute == "selective" else frozenset()
+        self.ops = resolve_ops(spec.cache_ops) | SELECTIONS if spec.recompute == "selective" else frozenset()
         self.budget = (spec.device_budget_mb or 0.0) * 2**20
         self.frames: list[weakref.ref] = []  # blocks of the forward not yet recomputed, in order
         self.live = {"device": 0, "host": 0}  # bytes kept now

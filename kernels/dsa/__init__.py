@@ -16,8 +16,17 @@ def _impl(*tensors: torch.Tensor):
     return reference
 
 
-def indexer_topk(q_BTJD, k_BSD, w_BTJ, starts_BT, topk: int) -> torch.Tensor:
+@torch.library.custom_op("kiln::indexer_topk", mutates_args=())
+def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
+                 topk: int) -> torch.Tensor:
+    """``reference.indexer_topk`` or its kernel, as one op (``kiln::indexer_topk``) so that Swap Core
+    sees the selection and keeps it: a recompute must attend to the keys the forward chose."""
     return _impl(q_BTJD, k_BSD, w_BTJ).indexer_topk(q_BTJD, k_BSD, w_BTJ, starts_BT, topk)
+
+
+@indexer_topk.register_fake
+def _(q_BTJD, k_BSD, w_BTJ, starts_BT, topk):
+    return q_BTJD.new_empty(*q_BTJD.shape[:2], min(topk, k_BSD.shape[1]), dtype=torch.int32)
 
 
 def sparse_attention(q_BTHD, k_BSGD, v_BSGE, idx_BTK, scale: float, with_weights: bool = False):

@@ -118,6 +118,8 @@ def test_selective_recompute_skips_the_kept_ops(hybrid):
     assert full["mm"] > none["mm"] and kept["mm"] == none["mm"]
     assert kept["bmm"] == full["bmm"] > none["bmm"]  # bmm is not in the default cache_ops: recomputed
     assert full["mul"] > none["mul"] and kept["mul"] == full["mul"]  # the cheap ops run again either way
+    # DSA's selection is kept whatever cache_ops says: the recompute attends to the forward's keys
+    assert none["indexer_topk"] == kept["indexer_topk"] == 0 < full["indexer_topk"]
 
 
 def test_the_tier_and_budget_decide_where_outputs_live(hybrid):
@@ -152,19 +154,19 @@ def test_quantized_caches_are_close_and_half_the_bytes(hybrid):
         errors[kind] = rel_err(got, ref)
         assert all(torch.isfinite(g).all() for g in got.values())
         assert core.peak["device"] < 0.65 * exact.peak["device"]  # 1.125 bytes an element instead of 2
-    # Measured here: int8 0.022, fp8 0.072 against the unquantized bf16 gradients (the DSA top-k
-    # turns small changes into other selections; e4m3 keeps 3 mantissa bits). Not within the
-    # 1e-2 of a bf16 kernel: quantized caches trade exactness for bytes, int8 the least.
-    assert 0 < errors["int8"] < 0.03 and errors["int8"] < errors["fp8"] < 0.1, errors
+    # Measured here: int8 0.0064, fp8 0.021 against the unquantized bf16 gradients (0.022 and 0.072
+    # while the recompute chose DSA's keys again from the quantized values). int8 is within the
+    # 1e-2 of a bf16 kernel; e4m3 keeps 3 mantissa bits and is not.
+    assert 0 < errors["int8"] < 1e-2 and errors["int8"] < errors["fp8"] < 0.03, errors
 
 
 def test_quantized_caches_keep_the_routing_under_autocast(hybrid):
     """Seen on the H200: autocast ran the router's fp32 matmul in bf16, the quantized cache then
     changed which experts the recompute chose, and the step failed. The router scores in fp32."""
     _, ref, _ = grads(hybrid, MemorySpec(recompute="selective"), autocast=True)
-    for kind in ("int8", "fp8"):
+    for kind, bound in (("int8", 1e-2), ("fp8", 0.03)):  # measured: 0.0056, 0.021
         _, got, core = grads(hybrid, MemorySpec(recompute="selective", quantize=kind), autocast=True)
-        assert core.live == {"device": 0, "host": 0} and 0 < rel_err(got, ref) < 0.1
+        assert core.live == {"device": 0, "host": 0} and 0 < rel_err(got, ref) < bound
 
 
 def test_router_counts_its_load_once(hybrid):
