@@ -283,11 +283,22 @@ def _wu(Q, Kt, V, BETA, G, MI, W, U, KD, QG, CHUNKS, scale, H, K, VD, BK: tl.con
 
 
 @triton.jit
-def _state_ptrs(P, n, h, H, K, VD, v0, BK: tl.constexpr, BV: tl.constexpr):
-    """A [BK, BV] block of state n, head h, from [N, H, K, V], and its mask."""
-    d = tl.arange(0, BK)
+def _state_ptrs(P, n, h, H, K, VD, d0, v0, BK: tl.constexpr, BV: tl.constexpr):
+    """Rows d0..d0+BK, columns v0..v0+BV of state n, head h, from [N, H, K, V], and the mask."""
+    d = d0 + tl.arange(0, BK)
     e = v0 + tl.arange(0, BV)
     return P + ((n * H + h).to(tl.int64) * K + d[:, None]) * VD + e[None, :], (d[:, None] < K) & (e[None, :] < VD)
+
+
+@triton.jit
+def _walk(P0, HAS: tl.constexpr, SEQ, H, K, VD, BK: tl.constexpr, BV: tl.constexpr):
+    """A chunk-by-chunk program's sequence n, head h and first column v0 of V, the state it starts
+    from (P0's, zeros without HAS), and its chunks [c0, c1)."""
+    vb, nh = tl.program_id(0), tl.program_id(1)
+    n, h = nh // H, nh % H
+    v0 = vb * BV
+    p0, m0 = _state_ptrs(P0, n, h, H, K, VD, 0, v0, BK, BV)
+    return n, h, v0, tl.load(p0, mask=m0 & HAS, other=0.0).to(tl.float32), tl.load(SEQ + n), tl.load(SEQ + n + 1)
 
 
 @triton.jit
@@ -295,21 +306,16 @@ def _states(KD, W, U, G, H0, HS, VN, HT, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr
             HAS_H0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Per sequence, head and block of V, the chunks in order: HS[c] = the state at chunk c's
     start, VN = U - W S; the final state into HT."""
-    vb, nh = tl.program_id(0), tl.program_id(1)
-    n, h = nh // H, nh % H
-    v0 = vb * BV
-    p0, m0 = _state_ptrs(H0, n, h, H, K, VD, v0, BK, BV)
-    S = tl.load(p0, mask=m0 & HAS_H0, other=0.0).to(tl.float32)
-    c0, c1 = tl.load(SEQ + n), tl.load(SEQ + n + 1)
+    n, h, v0, S, c0, c1 = _walk(H0, HAS_H0, SEQ, H, K, VD, BK, BV)
     for c in range(c0, c1):
-        p, m = _state_ptrs(HS, c, h, H, K, VD, v0, BK, BV)
+        p, m = _state_ptrs(HS, c, h, H, K, VD, 0, v0, BK, BV)
         tl.store(p, S, mask=m)
         bos, rows, ok, last = _rows(CHUNKS, c)
         vn = _tile_v(U, rows, ok, h, H, VD, v0, BV) - _dot(_tile(W, rows, ok, h, H, K, BK), S, DT, PREC)
         _put_v(VN, vn, rows, ok, h, H, VD, v0, BV)
         S = S * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(tl.trans(_tile(KD, rows, ok, h, H, K, BK)), vn,
                                                                        DT, PREC)
-    p, m = _state_ptrs(HT, n, h, H, K, VD, v0, BK, BV)
+    p, m = _state_ptrs(HT, n, h, H, K, VD, 0, v0, BK, BV)
     tl.store(p, S, mask=m)
 
 
@@ -320,7 +326,7 @@ def _output(QG, AQK, HS, VN, O, CHUNKS, H, K, VD, BK: tl.constexpr, BV: tl.const
     c, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     v0 = vb * BV
     bos, rows, ok, last = _rows(CHUNKS, c)
-    p, m = _state_ptrs(HS, c, h, H, K, VD, v0, BK, BV)
+    p, m = _state_ptrs(HS, c, h, H, K, VD, 0, v0, BK, BV)
     o = _dot(_tile(QG, rows, ok, h, H, K, BK), tl.load(p, mask=m, other=0.0), DT, PREC)
     o += _dot(_lower(AQK, rows, ok, h, H), _tile_v(VN, rows, ok, h, H, VD, v0, BV), DT, PREC)
     _put_v(O, o, rows, ok, h, H, VD, v0, BV)
@@ -331,15 +337,10 @@ def _dstates(QG, KD, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, H, K, VD, BK
              BV: tl.constexpr, HAS_DHT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """The chunks in reverse: DH[c] = dS at chunk c's end; dV' = A_qk^T dO + (k e^(Gamma_C - Gamma)) dS;
     dS at the chunk's start = (q e^Gamma)^T dO + e^Gamma_C dS - W^T dV'. The first into DH0."""
-    vb, nh = tl.program_id(0), tl.program_id(1)
-    n, h = nh // H, nh % H
-    v0 = vb * BV
-    p0, m0 = _state_ptrs(DHT, n, h, H, K, VD, v0, BK, BV)
-    dS = tl.load(p0, mask=m0 & HAS_DHT, other=0.0).to(tl.float32)
-    c0, c1 = tl.load(SEQ + n), tl.load(SEQ + n + 1)
+    n, h, v0, dS, c0, c1 = _walk(DHT, HAS_DHT, SEQ, H, K, VD, BK, BV)
     for cc in range(c0, c1):
         c = c1 - 1 - (cc - c0)
-        p, m = _state_ptrs(DH, c, h, H, K, VD, v0, BK, BV)
+        p, m = _state_ptrs(DH, c, h, H, K, VD, 0, v0, BK, BV)
         tl.store(p, dS, mask=m)
         bos, rows, ok, last = _rows(CHUNKS, c)
         do = _tile_v(DO, rows, ok, h, H, VD, v0, BV)
@@ -349,7 +350,7 @@ def _dstates(QG, KD, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, H, K, VD, BK
         dS = dS * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(tl.trans(_tile(QG, rows, ok, h, H, K, BK)), do,
                                                                          DT, PREC)
         dS -= _dot(tl.trans(_tile(W, rows, ok, h, H, K, BK)), dvn, DT, PREC)
-    p, m = _state_ptrs(DH0, n, h, H, K, VD, v0, BK, BV)
+    p, m = _state_ptrs(DH0, n, h, H, K, VD, 0, v0, BK, BV)
     tl.store(p, dS, mask=m)
 
 
@@ -423,11 +424,9 @@ def _dlocal(Q, Kt, V, BETA, G, MI, VN, DVN, DO, HS, DH, DQ, DK, DV, DB, DG, DAQK
 @triton.jit
 def _state_tiles(HS, DH, c, h, H, K, VD, d0, v0, BK: tl.constexpr, BV: tl.constexpr):
     """Rows d0..d0+BK, columns v0..v0+BV of chunk c's state and its gradient, fp32."""
-    d = d0 + tl.arange(0, BK)
-    e = v0 + tl.arange(0, BV)
-    off = ((c * H + h).to(tl.int64) * K + d[:, None]) * VD + e[None, :]
-    m = (d[:, None] < K) & (e[None, :] < VD)
-    return tl.load(HS + off, mask=m, other=0.0).to(tl.float32), tl.load(DH + off, mask=m, other=0.0).to(tl.float32)
+    p, m = _state_ptrs(HS, c, h, H, K, VD, d0, v0, BK, BV)
+    pd, _ = _state_ptrs(DH, c, h, H, K, VD, d0, v0, BK, BV)
+    return tl.load(p, mask=m, other=0.0).to(tl.float32), tl.load(pd, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
