@@ -41,8 +41,10 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merged:
             return self.base(x)
+        y = self.base(x)
         low = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)))
-        return self.base(x) + (low * self.scaling).to(x.dtype)
+        return y + (low * self.scaling).to(y.dtype)  # the base layer's dtype: bf16 under autocast, even
+        # for fp32 inputs (an fp32 sum here sent the attention kernels fp32, 10x slower, on the H200)
 
     merged = False
 

@@ -1,9 +1,10 @@
-"""LoRA merge/unmerge in place, and the aux-loss-free router balancing."""
+"""LoRA merge/unmerge in place, its output dtype under autocast, and the aux-loss-free router
+balancing."""
 from __future__ import annotations
 
 import torch
 
-from engine.lora import apply_lora, merge, unmerge
+from engine.lora import LoRALinear, apply_lora, merge, unmerge
 from engine.model.kimi_linear import KimiLinearForCausalLM
 from engine.model.moe import Router
 from engine.models import init_kimi_linear, kimi_linear_tiny_config
@@ -38,6 +39,22 @@ def test_merge_then_unmerge_in_place():
     for n, p in model.named_parameters():
         if not p.requires_grad:
             assert p.data_ptr() == ptrs[n] and torch.allclose(p, base[n], atol=1e-14, rtol=0)  # never copied
+
+
+def test_lora_keeps_the_output_dtype_of_the_layer_it_wraps():
+    """Under bf16 autocast a linear layer fed fp32 (an RMSNorm with fp32 weights gives fp32) returns
+    bf16; wrapped in LoRA it must too. It returned fp32, and the model sent fp32 to its attention
+    kernels (IEEE fp32 dots: DSA's attention took ~10x as long on the H200)."""
+    layer = LoRALinear(torch.nn.Linear(32, 48, bias=False), rank=4, alpha=8, dropout=0.0)
+    torch.nn.init.normal_(layer.lora_B.weight)
+    x = torch.randn(5, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, plain = layer(x), layer.base(x)
+    assert got.dtype == plain.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        want = layer(x)  # fp32 throughout
+    assert want.dtype == torch.float32 and not torch.equal(want, layer.base(x))  # the LoRA term counts
+    assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_bias_balancing_evens_out_expert_load():
