@@ -9,10 +9,12 @@ the indexer's top-k and without gathered copies of the keys.
 - ``sparse_attention``: flash attention over each query's index list. Forward: a program per
   (query, key head, block of its query heads), online softmax over blocks of gathered keys.
   Backward: dq by the same walk; dk and dv by a program per (query, key head) that sums over all
-  of the group's query heads before one fp32 atomic add per selected key. With
+  of the group's query heads before one fp32 atomic add per selected key (under
+  ``torch.use_deterministic_algorithms``: into a slot per query and key, summed by torch's
+  deterministic ``index_add_``, in chunks of queries; slower, bit-reproducible). With
   ``with_weights`` a third walk writes the indexer's target (probabilities averaged over heads).
 - ``indexer_kl_loss``: a program per query recomputes its index scores on the selected keys only;
-  the backward adds dk with fp32 atomics.
+  the backward adds dk with fp32 atomics (in a fixed order when deterministic, as above).
 
 The head dim is split into a power-of-two part and a remainder (576 = 512 + 64, 192 = 128 + 64)
 so that no lane of the dot products is padding. fp32 inputs use IEEE dots.
@@ -216,12 +218,15 @@ def _attn_bwd_dq(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DQ, T, NK, scale, scale2, H
 
 
 @triton.jit
-def _attn_bwd_dkv(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DK, DV, T, NK, scale, scale2, H: tl.constexpr,
+def _attn_bwd_dkv(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DK, DV, T, NK, scale, scale2, t0, TC, H: tl.constexpr,
                   G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, E: tl.constexpr,
-                  E_PAD: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                  E_PAD: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+                  ORDERED: tl.constexpr):
     """A program per (query, key head): dk and dv of each selected key summed over the group's
-    query heads in registers, then one fp32 atomic add per key."""
-    t, bg = tl.program_id(0), tl.program_id(1)
+    query heads in registers, then one fp32 atomic add per key. ``ORDERED``: the queries
+    [t0, t0 + TC) only, each writing its share to its own slot of DK [B, TC, G, NK, D] and
+    DV [.., E] instead, for a sum in a fixed order afterwards."""
+    t, bg = t0 + tl.program_id(0), tl.program_id(1)
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
     da = tl.arange(0, DA)
@@ -242,10 +247,17 @@ def _attn_bwd_dkv(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DK, DV, T, NK, scale, scal
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
             dka += tl.dot(tl.trans(ds.to(qa.dtype)), qa, input_precision=PREC)
             dkb += tl.dot(tl.trans(ds.to(qb.dtype)), qb, input_precision=PREC)
-        tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka * scale, mask=ok[:, None], sem="relaxed")
-        tl.atomic_add(DK + krow[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D),
-                      sem="relaxed")
-        tl.atomic_add(DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E), sem="relaxed")
+        if ORDERED:
+            slot = ((b * TC + t - t0) * G + g).to(tl.int64) * NK + kk
+            tl.store(DK + slot[:, None] * D + da[None, :], dka * scale, mask=ok[:, None])
+            tl.store(DK + slot[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D))
+            tl.store(DV + slot[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E))
+        else:
+            tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka * scale, mask=ok[:, None], sem="relaxed")
+            tl.atomic_add(DK + krow[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D),
+                          sem="relaxed")
+            tl.atomic_add(DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E),
+                          sem="relaxed")
 
 
 @triton.jit
@@ -276,6 +288,25 @@ def _attn_weights(Q, Kk, IDX, CNT, LSE, P, T, NK, scale2, H: tl.constexpr, G: tl
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
 CONFIG = {"fwd": dict(BH=16, EB=512, BK=32, num_warps=4), "dq": dict(BH=16, BK=32, num_warps=4),
           "dkv": dict(BH=32, BK=32, num_warps=8), "weights": dict(BH=16, BK=32, num_warps=4)}
+
+
+ORDERED_BYTES = 2**29  # the buffers of one chunk of a deterministic backward
+
+
+def _in_order(idx_BTK: torch.Tensor, G: int, widths: tuple[int, ...]):
+    """Chunks of queries for a backward that sums per-key shares in a fixed order (under
+    ``torch.use_deterministic_algorithms``, where fp32 atomics would make every run differ):
+    (t0, queries, the K rows [B*T*G] each slot adds to, one zeroed fp32 buffer
+    [B, queries, G, NK, width] per width), at most ``ORDERED_BYTES`` of buffers at once. A slot
+    past a query's count stays zero and adds to row 0."""
+    B, T, NK = idx_BTK.shape
+    tc = max(1, min(T, ORDERED_BYTES // (4 * B * G * NK * sum(widths))))
+    b = torch.arange(B, device=idx_BTK.device)[:, None, None, None]
+    g = torch.arange(G, device=idx_BTK.device)[None, None, :, None]
+    for t0 in range(0, T, tc):
+        n = min(tc, T - t0)
+        rows = ((b * T + idx_BTK[:, t0:t0 + n, None, :].clamp(min=0).long()) * G + g).reshape(-1)
+        yield t0, n, rows, [torch.zeros(B, n, G, NK, w, device=idx_BTK.device) for w in widths]
 
 
 def _attn_meta(q, k, v):
@@ -333,8 +364,16 @@ class _SparseAttention(torch.autograd.Function):
         cfg = _bh(CONFIG["dq"], H // G, q)
         _attn_bwd_dq[(T, B * G, triton.cdiv(H // G, cfg["BH"]))](q, k, v, idx, cnt, do, lse, delta, dq, T, NK, scale,
                                                                  scale2, **meta, **cfg)
-        _attn_bwd_dkv[(T, B * G)](q, k, v, idx, cnt, do, lse, delta, dk, dv, T, NK, scale, scale2, **meta,
-                                  **_bh(CONFIG["dkv"], H // G, q))
+        cfg = _bh(CONFIG["dkv"], H // G, q)
+        if not torch.are_deterministic_algorithms_enabled():
+            _attn_bwd_dkv[(T, B * G)](q, k, v, idx, cnt, do, lse, delta, dk, dv, T, NK, scale, scale2, 0, T, **meta,
+                                      **cfg, ORDERED=False)
+        else:  # each query's share to its own slot, then summed by torch's deterministic index_add_
+            for t0, tc, rows, (buf_k, buf_v) in _in_order(idx, G, (k.shape[-1], E)):
+                _attn_bwd_dkv[(tc, B * G)](q, k, v, idx, cnt, do, lse, delta, buf_k, buf_v, T, NK, scale, scale2,
+                                           t0, tc, **meta, **cfg, ORDERED=True)
+                dk.view(-1, k.shape[-1]).index_add_(0, rows, buf_k.view(-1, k.shape[-1]))
+                dv.view(-1, E).index_add_(0, rows, buf_v.view(-1, E))
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -397,9 +436,12 @@ def _kl_fwd(Q, Kx, W, IDX, CNT, P, LOSS, LSE, PSUM, T, NK, scale, J: tl.constexp
 
 
 @triton.jit
-def _kl_bwd(Q, Kx, W, IDX, CNT, P, LSE, PSUM, GRAD, DQ, DK, DW, T, NK, scale, inv_B, J: tl.constexpr,
-            DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    t, b = tl.program_id(0), tl.program_id(1)
+def _kl_bwd(Q, Kx, W, IDX, CNT, P, LSE, PSUM, GRAD, DQ, DK, DW, T, NK, scale, inv_B, t0, TC, J: tl.constexpr,
+            DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+            ORDERED: tl.constexpr):
+    """A program per query; its dk shares by fp32 atomics, or (``ORDERED``, queries [t0, t0 + TC))
+    into its own slots of DK [B, TC, NK, DH] as _attn_bwd_dkv does."""
+    t, b = t0 + tl.program_id(0), tl.program_id(1)
     cnt = tl.load(CNT + b * T + t)
     lse = tl.load(LSE + b * T + t)
     total = tl.load(PSUM + b * T + t)
@@ -420,8 +462,12 @@ def _kl_bwd(Q, Kx, W, IDX, CNT, P, LSE, PSUM, GRAD, DQ, DK, DW, T, NK, scale, in
         dd = tl.where(dots > 0, w[:, None] * ds[None, :], 0.0) * scale  # d loss / d (q . k), [J_PAD, BK]
         dq += tl.dot(dd.to(k.dtype), k, input_precision=PREC)
         dk = tl.dot(tl.trans(dd.to(q.dtype)), q, input_precision=PREC)
-        tl.atomic_add(DK + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], dk,
-                      mask=ok[:, None] & (d[None, :] < DH), sem="relaxed")
+        if ORDERED:
+            slot = (b * TC + t - t0).to(tl.int64) * NK + kk
+            tl.store(DK + slot[:, None] * DH + d[None, :], dk, mask=ok[:, None] & (d[None, :] < DH))
+        else:
+            tl.atomic_add(DK + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], dk,
+                          mask=ok[:, None] & (d[None, :] < DH), sem="relaxed")
     row = (b * T + t).to(tl.int64) * J + j
     tl.store(DQ + row[:, None] * DH + d[None, :], dq.to(DQ.dtype.element_ty), mask=(j[:, None] < J) & (d[None, :] < DH))
     tl.store(DW + row, dw.to(DW.dtype.element_ty), mask=j < J)
@@ -450,8 +496,15 @@ class _IndexerKL(torch.autograd.Function):
         B, T, J, DH = q.shape
         dq, dw = torch.empty_like(q), torch.empty_like(w)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        _kl_bwd[(T, B)](q, k, w, idx, cnt, p, lse, psum, grad.contiguous(), dq, dk, dw, T, idx.shape[-1],
-                        DH ** -0.5, 1.0 / B, J=J, **_kl_meta(q))
+        args = (q, k, w, idx, cnt, p, lse, psum, grad.contiguous(), dq)
+        if not torch.are_deterministic_algorithms_enabled():
+            _kl_bwd[(T, B)](*args, dk, dw, T, idx.shape[-1], DH ** -0.5, 1.0 / B, 0, T, J=J, **_kl_meta(q),
+                            ORDERED=False)
+        else:
+            for t0, tc, rows, (buf,) in _in_order(idx, 1, (DH,)):
+                _kl_bwd[(tc, B)](*args, buf, dw, T, idx.shape[-1], DH ** -0.5, 1.0 / B, t0, tc, J=J, **_kl_meta(q),
+                                 ORDERED=True)
+                dk.view(-1, DH).index_add_(0, rows, buf.view(-1, DH))
         return dq, dk.to(k.dtype), dw, None, None
 
 

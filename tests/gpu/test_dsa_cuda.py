@@ -123,6 +123,42 @@ def test_indexer_loss_matches_the_reference(B, T, J, DH, topk, packed, dtype):
     assert rel(q.grad, q64.grad) < tol and rel(k.grad, k64.grad) < tol and rel(w.grad, w64.grad) < tol
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,H,G,D,E,topk", [(2, 40, 4, 2, 24, 16, 8),
+                                              pytest.param(1, 1500, 16, 1, 576, 512, 512, marks=gpu_only)])
+def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, monkeypatch):
+    """Under torch.use_deterministic_algorithms the keys' gradients (attention and indexer loss) are
+    summed in a fixed order, in several chunks of queries here: two runs are bit-equal and as close
+    to float64 as the atomic sums are (Swap Core's exactness on the GPU is checked this way)."""
+    from kernels.dsa import triton as K
+
+    monkeypatch.setattr(K, "ORDERED_BYTES", 4 * B * min(T, topk) * 16 * (T // 3))  # chunks: the loss's 3-4, more
+    st = starts(B, T, True)
+    iq, ik, iw = indexer_inputs(B, T, 4, 16, dtype, seed=T + 2, exact_dots=True)
+    idx = K.indexer_topk(iq, ik, iw, st, topk)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    q, k, v = (torch.randn(B, T, n, d, device=DEVICE, generator=g).to(dtype) for n, d in ((H, D), (G, D), (G, E)))
+    do = torch.randn(B, T, H, E, device=DEVICE, generator=g).to(dtype)
+
+    def grads():
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v, iq, ik, iw)]
+        o, p = K.sparse_attention(*xs[:3], idx, D ** -0.5, with_weights=True)
+        ((o.float() * do.float()).sum() + K.indexer_kl_loss(*xs[3:], idx, p)).backward()
+        return [x.grad for x in xs]
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = grads(), grads()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    x64 = [x.detach().double().requires_grad_() for x in (q, k, v, iq, ik, iw)]
+    o64, p64 = R.sparse_attention(*x64[:3], idx, D ** -0.5, with_weights=True)
+    ((o64 * do.double()).sum() + R.indexer_kl_loss(*x64[3:], idx, p64)).backward()
+    for got, x in zip(first, x64):
+        assert rel(got, x.grad) < TOL[dtype]
+
+
 def test_topk_at_least_the_length_is_dense_causal_attention():
     from kernels.dsa.triton import indexer_topk, sparse_attention
 

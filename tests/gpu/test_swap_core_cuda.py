@@ -29,7 +29,17 @@ def step(model, ids, spec: MemorySpec) -> tuple[dict, float, object]:
     return grads, torch.cuda.max_memory_allocated(), core
 
 
-def test_swap_core_on_cuda():
+@pytest.fixture
+def deterministic(monkeypatch):
+    """Deterministic kernels: DSA's backward sums its keys' gradients with fp32 atomics otherwise,
+    and two runs without recompute already differ (bit-equality is then no test of Swap Core)."""
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_swap_core_on_cuda(deterministic):
     c, _ = bench_config("debug")
     c.hidden, c.kda.heads, c.kda.head_dim = 256, 4, 64
     model = build(c, torch.device("cuda"))
