@@ -142,6 +142,29 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
     return out, grads
 
 
+def profile(model, name: str, ids, device) -> None:
+    """One step of a mode under torch.profiler: wall time against the time the device was busy
+    (a step much longer than its kernels is bound by the host), and the ops that took it."""
+    unwrap(model)
+    apply_swap_core(model, MODES[name])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=0.0)
+    step(model, opt, ids, device)  # warm
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        step(model, opt, ids, device)
+        sync(device)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"\n{name}: step {1e3 * wall:.0f} ms under the profiler, device busy {busy:.0f} ms, "
+          f"{sum(e.count for e in events)} ops")
+    print(events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                       row_limit=18, max_name_column_width=48))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=["h200", "debug"], default="h200")
@@ -153,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms: CUDA's atomics (index_add_ in the MoE loop) "
                         "otherwise make even two identical runs differ")
+    p.add_argument("--profile", nargs="*", default=[], choices=list(MODES),
+                   help="after the timings, one profiled step of each of these modes")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "swap_core.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -192,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
               "deterministic": args.deterministic, "baseline": BASELINE, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
+    for name in args.profile:
+        profile(model, name, ids, device)
     return report
 
 
