@@ -77,3 +77,34 @@ def test_images_attn_res_switch_and_a_training_step():
     wrapped = apply_lora(build(c, dtype=torch.float32), LoraSpec(rank=2, target_modules=["q_proj", "o_proj", "q_b_proj"],
                                                                  target_parameters=["mlp.experts.gate_up_proj"]))
     assert any("layers.1.self_attn.q_b_proj" in w for w in wrapped) and any(w.endswith("mlp.experts") for w in wrapped)
+
+
+def test_attention_kernels_get_bf16_under_autocast(monkeypatch):
+    """Training runs an fp32 model (frozen base and LoRA factors) under bf16 autocast; the kernels
+    must see bf16 activations, not fp32 ones: fp32 inputs take IEEE dot products, ~10x slower. (A
+    LoRA layer after an RMSNorm returned fp32 and made the H200 step 760 ms instead of 117.)"""
+    import engine.model.dsa as dsa
+    import engine.model.kimi_linear as kimi_linear
+    import engine.model.moe as moe
+
+    seen: dict[str, list[torch.dtype]] = {}
+
+    def spy(module, name, arity):
+        inner = getattr(module, name)
+
+        def call(*args, **kwargs):
+            seen.setdefault(name, []).extend(a.dtype for a in args[:arity])
+            return inner(*args, **kwargs)
+        monkeypatch.setattr(module, name, call)
+
+    spy(kimi_linear, "kda_chunk", 3)  # q, k, v (the gate and beta stay fp32 on purpose)
+    spy(dsa, "sparse_attention", 3)  # q, k, v
+    spy(moe, "grouped_mlp", 1)  # the experts' rows
+    c = ModelConfig.debug(vocab_size=512)
+    model = build(c, dtype=torch.float32)
+    apply_lora(model, LoraSpec(rank=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj",
+                                                       "kv_b_proj", "latent_down"]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 512, (1, 64)))
+    assert set(seen) == {"kda_chunk", "sparse_attention", "grouped_mlp"}
+    assert all(d == torch.bfloat16 for dts in seen.values() for d in dts), seen
