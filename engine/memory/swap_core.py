@@ -18,7 +18,8 @@ after the forward and recomputed from the block's inputs in the backward.
   scores, computed in fp32 on purpose) stay exact. e4m3 keeps 3 mantissa bits whatever the
   scale, ~2.4% relative error on Gaussian-like rows; int8 uses the narrow range inside a
   block, ~0.7% (measured on CPU, tests/unit/test_swap_core.py), so int8 is the precise one:
-  its gradients stay within bf16's 1e-2 of the unquantized ones, fp8's do not (~2e-2).
+  on the CPU hybrid its gradients stay within bf16's 1e-2 of the unquantized ones, fp8's do not
+  (~2e-2); at the H200 bench's size neither does (int8 1.5e-2, fp8 4.7e-2: bench/RESULTS.md).
 - Selections (``SELECTIONS``: DSA's top-k) are kept whenever anything is, whatever ``cache_ops``
   says: the recompute must choose what the forward chose, and from quantized kept values it might
   not.
