@@ -30,6 +30,8 @@ class MemorySettings(BaseModel):
     tier: Literal["device", "host", "auto"] = "device"
     quantize: Literal["none", "fp8", "int8"] = "none"
     device_budget_mb: Annotated[float, Field(ge=0)] | None = Field(None, description="tier auto: device memory the cache may hold")
+    blocks: list[Literal["attention", "mlp"]] = Field(["attention", "mlp"], min_length=1, max_length=2,
+                                                       description="the sublayers recomputed")
 
 
 class ParallelSettings(BaseModel):

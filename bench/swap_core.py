@@ -37,6 +37,10 @@ MODES = {
     "swap core, host, int8": MemorySpec(recompute="selective", tier="host", quantize="int8"),
     "swap core, host, fp8": MemorySpec(recompute="selective", tier="host", quantize="fp8"),
     "swap core, device, fp8": MemorySpec(recompute="selective", tier="device", quantize="fp8"),
+    # the MLPs alone recomputed: the attention blocks (KDA, DSA) keep their activations
+    "full recompute, MLPs": MemorySpec(recompute="full", blocks=["mlp"]),
+    "swap core, device, MLPs": MemorySpec(recompute="selective", tier="device", blocks=["mlp"]),
+    "swap core, host, MLPs": MemorySpec(recompute="selective", tier="host", blocks=["mlp"]),
 }
 BASELINE = "full recompute"
 

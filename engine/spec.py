@@ -29,12 +29,15 @@ class MemorySpec:
     activations live. ``recompute``: none | full (each attention and MLP block recomputed) |
     selective (the outputs of ``cache_ops`` kept, the rest recomputed). ``tier``: device | host
     (pinned, async copies) | auto (device up to ``device_budget_mb``, then host). ``quantize``:
-    none | fp8 | int8: keep 16-bit outputs in one byte an element with a scale per 32."""
+    none | fp8 | int8: keep 16-bit outputs in one byte an element with a scale per 32.
+    ``blocks``: which sublayers of each decoder layer are recomputed (attention, mlp); the others
+    keep their activations as without recompute."""
     recompute: Literal["none", "full", "selective"] = "none"
     cache_ops: list[str] = field(default_factory=lambda: ["mm", "grouped_mm"])
     tier: Literal["device", "host", "auto"] = "device"
     quantize: Literal["none", "fp8", "int8"] = "none"
     device_budget_mb: float | None = None  # tier auto: device bytes the cache may hold
+    blocks: list[str] = field(default_factory=lambda: ["attention", "mlp"])
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Swap Core: activation recompute per block, with an op-level cache that keeps chosen outputs.
 
 Blocks are the attention and MLP sublayers of every decoder layer (``model.layers[i].self_attn``,
-``.mlp``). Each runs under non-reentrant ``torch.utils.checkpoint``: its activations are dropped
-after the forward and recomputed from the block's inputs in the backward.
+``.mlp``), or only one kind of them (``blocks``: a kind left out keeps its activations, as without
+recompute; which is worth it depends on its recompute time per byte kept). Each runs under
+non-reentrant ``torch.utils.checkpoint``: its activations are dropped after the forward and
+recomputed from the block's inputs in the backward.
 
 - ``recompute: full``: the whole block is recomputed.
 - ``recompute: selective``: the outputs of the chosen ops (``cache_ops``: matmuls, grouped GEMMs)
@@ -63,6 +65,7 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
 # backward would differentiate another forward (DSA's top-k: 0.022 -> 0.006 gradient error with
 # int8 caches, measured on the CPU hybrid); kept, the recompute also skips the indexer's scores.
 SELECTIONS = frozenset({torch.ops.kiln.indexer_topk.default.overloadpacket})
+BLOCKS = {"attention": "self_attn", "mlp": "mlp"}  # memory.blocks -> the decoder layer's sublayer
 QUANT = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # code dtype, largest code
 BLOCK = 32  # elements per quantization scale
 
@@ -85,6 +88,8 @@ def check_spec(spec: MemorySpec) -> None:
         raise ValueError(f"memory.quantize: {spec.quantize!r}; expected none, {', '.join(QUANT)}")
     if spec.device_budget_mb is not None and spec.device_budget_mb < 0:
         raise ValueError("memory.device_budget_mb must be >= 0")
+    if not spec.blocks or set(spec.blocks) - set(BLOCKS):
+        raise ValueError(f"memory.blocks: {spec.blocks!r}; expected one or both of {', '.join(BLOCKS)}")
     resolve_ops(spec.cache_ops)
 
 
@@ -341,7 +346,8 @@ def _flag_recompute():
 
 
 def apply_swap_core(model: nn.Module, spec: MemorySpec) -> SwapCore | None:
-    """Make every decoder layer's attention and MLP a recomputed block, as ``spec`` says."""
+    """Make every decoder layer's attention and / or MLP (``spec.blocks``) a recomputed block, as
+    ``spec`` says."""
     core = SwapCore(spec)  # validates the spec
     if spec.recompute == "none":
         return None
@@ -349,6 +355,6 @@ def apply_swap_core(model: nn.Module, spec: MemorySpec) -> SwapCore | None:
     if layers is None:
         raise ValueError(f"memory.recompute: {type(model).__name__} has no decoder layers to recompute")
     for layer in layers:
-        for name in ("self_attn", "mlp"):
-            core.wrap(getattr(layer, name))
+        for block in spec.blocks:
+            core.wrap(getattr(layer, BLOCKS[block]))
     return core

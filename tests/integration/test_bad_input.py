@@ -127,6 +127,7 @@ def text_file(pg_stack):
     ({"lora": {"rank": 0}}, 400, ["lora.rank"], None),
     ({"hyperparameters": {"memory": {"tier": "disk"}}}, 400, ["hyperparameters.memory.tier"], None),
     ({"hyperparameters": {"memory": {"cache_ops": ["conv"]}}}, 400, ["memory.cache_ops"], None),
+    ({"hyperparameters": {"memory": {"blocks": ["ffn"]}}}, 400, ["hyperparameters.memory.blocks"], None),
     ({"hyperparameters": {"parallel": {"nproc": 4, "ep_size": 3}}}, 400, ["ep_size (3) must divide nproc (4)"], None),
     ({"hyperparameters": {"parallel": {"nproc": 0}}}, 400, ["hyperparameters.parallel.nproc"], None),
     ({"hyperparameters": {"parallel": {"nproc": 2, "ep_size": 2}}}, 400, ["does not divide the 0 experts of kiln-tiny"],

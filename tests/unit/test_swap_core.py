@@ -62,10 +62,13 @@ EXACT = [MemorySpec(recompute="full"),
          MemorySpec(recompute="selective"),
          MemorySpec(recompute="selective", tier="host"),
          MemorySpec(recompute="selective", tier="auto", device_budget_mb=0.05),
-         MemorySpec(recompute="selective", cache_ops=["mm", "bmm", "grouped_mm", "attention"])]
+         MemorySpec(recompute="selective", cache_ops=["mm", "bmm", "grouped_mm", "attention"]),
+         MemorySpec(recompute="full", blocks=["mlp"]),
+         MemorySpec(recompute="selective", blocks=["attention"])]
 
 
-@pytest.mark.parametrize("spec", EXACT, ids=lambda s: f"{s.recompute}-{s.tier}-{'+'.join(s.cache_ops)}")
+@pytest.mark.parametrize("spec", EXACT, ids=lambda s: f"{s.recompute}-{s.tier}-{'+'.join(s.cache_ops)}-"
+                                                       f"{'+'.join(s.blocks)}")
 def test_gradients_are_bit_equal_to_no_recompute(hybrid, spec):
     loss0, ref, _ = grads(hybrid, MemorySpec())
     loss, got, core = grads(hybrid, spec)
@@ -75,6 +78,11 @@ def test_gradients_are_bit_equal_to_no_recompute(hybrid, spec):
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
         assert ref[name].abs().sum() > 0, name
+    kinds = {"self_attn": "attention", "mlp": "mlp"}
+    model = copy.deepcopy(hybrid)
+    apply_swap_core(model, spec)
+    for layer in model.layers:  # recomputed (forward replaced on the instance) where spec.blocks says
+        assert {kinds[n] for n in kinds if "forward" in vars(getattr(layer, n))} == set(spec.blocks)
     if spec.recompute == "selective":
         assert sum(core.peak.values()) > 0  # something was kept...
         assert core.live == {"device": 0, "host": 0}  # ...and all of it handed back or dropped
@@ -236,7 +244,8 @@ def test_an_in_place_change_of_a_kept_output_is_an_error():
 
 @pytest.mark.parametrize("field,value,message", [
     ("recompute", "some", "memory.recompute"), ("tier", "disk", "memory.tier"), ("quantize", "fp4", "memory.quantize"),
-    ("cache_ops", ["mm", "conv"], "unknown op class"), ("device_budget_mb", -1.0, "device_budget_mb")])
+    ("cache_ops", ["mm", "conv"], "unknown op class"), ("device_budget_mb", -1.0, "device_budget_mb"),
+    ("blocks", ["mlp", "ffn"], "memory.blocks"), ("blocks", [], "memory.blocks")])
 def test_bad_settings_are_named(field, value, message):
     with pytest.raises(ValueError, match=message):
         SwapCore(MemorySpec(**{"recompute": "selective", field: value}))
