@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -110,7 +111,9 @@ def main() -> None:
             for name, fn in methods().items():
                 if name == "PyTorch reference" and T * H > a.reference_up_to:
                     continue
-                res[name] = measure(fn, x, cu)
+                res[name] = m = measure(fn, x, cu)
+                print(f"measured {T} x {H}, {name}: " + (f"fwd {m['fwd_ms']:.2f} ms, fwd+bwd {m['fwd_bwd_ms']:.2f} ms"
+                      if m else "out of memory"), file=sys.stderr, flush=True)  # kept if a later method runs out of time
             base = res.get("fla-core chunk_kda") or {}
             for name, m in res.items():
                 if not m:
