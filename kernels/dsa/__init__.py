@@ -20,8 +20,13 @@ def _impl(*tensors: torch.Tensor):
 def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
                  topk: int) -> torch.Tensor:
     """``reference.indexer_topk`` or its kernel, as one op (``kiln::indexer_topk``) so that Swap Core
-    sees the selection and keeps it: a recompute must attend to the keys the forward chose."""
-    return _impl(q_BTJD, k_BSD, w_BTJ).indexer_topk(q_BTJD, k_BSD, w_BTJ, starts_BT, topk)
+    sees the selection and keeps it: a recompute must attend to the keys the forward chose.
+
+    Scored outside autocast, always (fp32, as the kernel does): a dispatch mode (Swap Core's) runs
+    a custom op's body with autocast off, and the reference's fp32 matmuls would otherwise round to
+    bf16 without the mode and not with it, choosing other keys."""
+    with torch.autocast(q_BTJD.device.type, enabled=False):
+        return _impl(q_BTJD, k_BSD, w_BTJ).indexer_topk(q_BTJD, k_BSD, w_BTJ, starts_BT, topk)
 
 
 @indexer_topk.register_fake
