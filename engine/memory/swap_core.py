@@ -357,6 +357,7 @@ def apply_swap_core(model: nn.Module, spec: MemorySpec) -> SwapCore | None:
     if layers is None:
         raise ValueError(f"memory.recompute: {type(model).__name__} has no decoder layers to recompute")
     for layer in layers:
-        for block in spec.blocks:
-            core.wrap(getattr(layer, BLOCKS[block]))
+        for kind, name in BLOCKS.items():
+            if kind in spec.blocks:  # once each, however often the list names it
+                core.wrap(getattr(layer, name))
     return core

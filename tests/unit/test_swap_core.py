@@ -64,7 +64,7 @@ EXACT = [MemorySpec(recompute="full"),
          MemorySpec(recompute="selective", tier="auto", device_budget_mb=0.05),
          MemorySpec(recompute="selective", cache_ops=["mm", "bmm", "grouped_mm", "attention"]),
          MemorySpec(recompute="full", blocks=["mlp"]),
-         MemorySpec(recompute="selective", blocks=["attention"])]
+         MemorySpec(recompute="selective", blocks=["attention", "attention"])]
 
 
 @pytest.mark.parametrize("spec", EXACT, ids=lambda s: f"{s.recompute}-{s.tier}-{'+'.join(s.cache_ops)}-"
@@ -83,6 +83,8 @@ def test_gradients_are_bit_equal_to_no_recompute(hybrid, spec):
     apply_swap_core(model, spec)
     for layer in model.layers:  # recomputed (forward replaced on the instance) where spec.blocks says
         assert {kinds[n] for n in kinds if "forward" in vars(getattr(layer, n))} == set(spec.blocks)
+        for block in (getattr(layer, n) for n in kinds if kinds[n] in spec.blocks):  # wrapped once
+            assert vars(block)["forward"].__wrapped__ == type(block).forward.__get__(block)
     if spec.recompute == "selective":
         assert sum(core.peak.values()) > 0  # something was kept...
         assert core.live == {"device": 0, "host": 0}  # ...and all of it handed back or dropped
