@@ -39,9 +39,9 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.merged:
-            return self.base(x)
         y = self.base(x)
+        if self.merged:
+            return y
         low = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)))
         return y + (low * self.scaling).to(y.dtype)  # the base layer's dtype: bf16 under autocast, even
         # for fp32 inputs (an fp32 sum here sent the attention kernels fp32, 10x slower, on the H200)
