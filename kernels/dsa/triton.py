@@ -293,20 +293,29 @@ CONFIG = {"fwd": dict(BH=16, EB=512, BK=32, num_warps=4), "dq": dict(BH=16, BK=3
 ORDERED_BYTES = 2**29  # the buffers of one chunk of a deterministic backward
 
 
-def _in_order(idx_BTK: torch.Tensor, G: int, widths: tuple[int, ...]):
-    """Chunks of queries for a backward that sums per-key shares in a fixed order (under
-    ``torch.use_deterministic_algorithms``, where fp32 atomics would make every run differ):
-    (t0, queries, the K rows [B*T*G] each slot adds to, one zeroed fp32 buffer
-    [B, queries, G, NK, width] per width), at most ``ORDERED_BYTES`` of buffers at once. A slot
-    past a query's count stays zero and adds to row 0."""
+def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor]) -> None:
+    """Run a backward kernel that adds each query's shares into its selected keys' rows of
+    ``outs`` (fp32, [B, T, G, width] or [B, T, width] for G = 1): ``launch(t0, queries, targets,
+    ordered)``. By fp32 atomics, at once; under ``torch.use_deterministic_algorithms`` (where the
+    atomics would make every run differ) in chunks of queries, each query writing a slot per key
+    into zeroed buffers [B, queries, G, NK, width] (at most ``ORDERED_BYTES`` at once) that torch's
+    deterministic ``index_add_`` then sums. A slot past a query's count stays zero and adds to
+    row 0."""
     B, T, NK = idx_BTK.shape
+    if not torch.are_deterministic_algorithms_enabled():
+        launch(0, T, outs, False)
+        return
+    widths = [o.shape[-1] for o in outs]
     tc = max(1, min(T, ORDERED_BYTES // (4 * B * G * NK * sum(widths))))
     b = torch.arange(B, device=idx_BTK.device)[:, None, None, None]
     g = torch.arange(G, device=idx_BTK.device)[None, None, :, None]
     for t0 in range(0, T, tc):
         n = min(tc, T - t0)
         rows = ((b * T + idx_BTK[:, t0:t0 + n, None, :].clamp(min=0).long()) * G + g).reshape(-1)
-        yield t0, n, rows, [torch.zeros(B, n, G, NK, w, device=idx_BTK.device) for w in widths]
+        bufs = [torch.zeros(B, n, G, NK, w, device=idx_BTK.device) for w in widths]
+        launch(t0, n, bufs, True)
+        for out, buf, w in zip(outs, bufs, widths):
+            out.view(-1, w).index_add_(0, rows, buf.view(-1, w))
 
 
 def _attn_meta(q, k, v):
@@ -365,15 +374,11 @@ class _SparseAttention(torch.autograd.Function):
         _attn_bwd_dq[(T, B * G, triton.cdiv(H // G, cfg["BH"]))](q, k, v, idx, cnt, do, lse, delta, dq, T, NK, scale,
                                                                  scale2, **meta, **cfg)
         cfg = _bh(CONFIG["dkv"], H // G, q)
-        if not torch.are_deterministic_algorithms_enabled():
-            _attn_bwd_dkv[(T, B * G)](q, k, v, idx, cnt, do, lse, delta, dk, dv, T, NK, scale, scale2, 0, T, **meta,
-                                      **cfg, ORDERED=False)
-        else:  # each query's share to its own slot, then summed by torch's deterministic index_add_
-            for t0, tc, rows, (buf_k, buf_v) in _in_order(idx, G, (k.shape[-1], E)):
-                _attn_bwd_dkv[(tc, B * G)](q, k, v, idx, cnt, do, lse, delta, buf_k, buf_v, T, NK, scale, scale2,
-                                           t0, tc, **meta, **cfg, ORDERED=True)
-                dk.view(-1, k.shape[-1]).index_add_(0, rows, buf_k.view(-1, k.shape[-1]))
-                dv.view(-1, E).index_add_(0, rows, buf_v.view(-1, E))
+
+        def dkv(t0, tc, targets, ordered):
+            _attn_bwd_dkv[(tc, B * G)](q, k, v, idx, cnt, do, lse, delta, *targets, T, NK, scale, scale2, t0, tc,
+                                       **meta, **cfg, ORDERED=ordered)
+        _key_grads(dkv, idx, G, [dk, dv])
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
@@ -496,15 +501,12 @@ class _IndexerKL(torch.autograd.Function):
         B, T, J, DH = q.shape
         dq, dw = torch.empty_like(q), torch.empty_like(w)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        args = (q, k, w, idx, cnt, p, lse, psum, grad.contiguous(), dq)
-        if not torch.are_deterministic_algorithms_enabled():
-            _kl_bwd[(T, B)](*args, dk, dw, T, idx.shape[-1], DH ** -0.5, 1.0 / B, 0, T, J=J, **_kl_meta(q),
-                            ORDERED=False)
-        else:
-            for t0, tc, rows, (buf,) in _in_order(idx, 1, (DH,)):
-                _kl_bwd[(tc, B)](*args, buf, dw, T, idx.shape[-1], DH ** -0.5, 1.0 / B, t0, tc, J=J, **_kl_meta(q),
-                                 ORDERED=True)
-                dk.view(-1, DH).index_add_(0, rows, buf.view(-1, DH))
+        grad = grad.contiguous()
+
+        def kl_dk(t0, tc, targets, ordered):
+            _kl_bwd[(tc, B)](q, k, w, idx, cnt, p, lse, psum, grad, dq, *targets, dw, T, idx.shape[-1], DH ** -0.5,
+                             1.0 / B, t0, tc, J=J, **_kl_meta(q), ORDERED=ordered)
+        _key_grads(kl_dk, idx, 1, [dk])
         return dq, dk.to(k.dtype), dw, None, None
 
 
