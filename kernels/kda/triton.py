@@ -529,11 +529,17 @@ class _Shapes:
         self.SPAN = 8.0 if q.dtype == torch.float16 else 80.0
 
 
+def _gamma_of(g, chunks, s: _Shapes) -> torch.Tensor:
+    """Gamma = cumsum(g) inside each chunk, fp32 (not saved: the backward computes it again)."""
+    G = g.new_empty(s.R, s.H, s.K, dtype=torch.float32)
+    _cumsum[(s.NC, s.H)](g, G, chunks, s.H, s.K, BK=s.BK, REVERSE=False)
+    return G
+
+
 def _prepare(q, k, g, beta, scale, chunks, s: _Shapes):
     """Gamma, A_qk and (I + A_kk)^-1 (saved for the backward)."""
     R, H, K = s.R, s.H, s.K
-    G = q.new_empty(R, H, K, dtype=torch.float32)
-    _cumsum[(s.NC, H)](g, G, chunks, H, K, BK=s.BK, REVERSE=False)
+    G = _gamma_of(g, chunks, s)
     Aqk = q.new_empty(R, H, C, dtype=s.low)
     Akk = q.new_empty(R, H, C, dtype=torch.float32)
     _intra[(s.NC * 4, H)](q, k, beta, G, Aqk, Akk, chunks, scale, H, K, BK=s.BK, DT=s.DT, PREC=s.PREC, SPAN=s.SPAN,
@@ -584,8 +590,7 @@ class _KDA(torch.autograd.Function):
         s, scale = ctx.s, ctx.scale
         h0 = h0 if ctx.has_h0 else None
         R, H, K, V, NC, N = s.R, s.H, s.K, s.V, s.NC, s.N
-        G = q.new_empty(R, H, K, dtype=torch.float32)
-        _cumsum[(NC, H)](g, G, chunks, H, K, BK=s.BK, REVERSE=False)
+        G = _gamma_of(g, chunks, s)
         W, KD, QG, HS, VN, _ = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
         do = do.float().contiguous()
         f32 = torch.float32
