@@ -109,12 +109,18 @@ def rel_err(got: dict, ref: dict) -> float:
     return float((num / sum((ref[n].double() ** 2).sum() for n in ref)).sqrt())
 
 
-def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref: dict | None) -> dict:
+def ready(model, spec: MemorySpec):
+    """The model under ``spec`` alone: (its SwapCore, the trainable parameters, an optimizer with
+    lr 0: the weights stay, the optimizer step still runs)."""
     unwrap(model)
     core = apply_swap_core(model, spec)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    return core, trainable, torch.optim.SGD(trainable, lr=0.0)
+
+
+def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref: dict | None) -> dict:
+    core, trainable, opt = ready(model, spec)
     saved = [p.detach().clone() for p in trainable]  # every mode starts from the same weights
-    opt = torch.optim.SGD(trainable, lr=0.0)  # lr 0: the weights stay, the optimizer step still runs
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         logits = model(ids)
     torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
@@ -149,10 +155,7 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
 def profile(model, name: str, ids, device) -> None:
     """One step of a mode under torch.profiler: wall time against the time the device was busy
     (a step much longer than its kernels is bound by the host), and the ops that took it."""
-    unwrap(model)
-    apply_swap_core(model, MODES[name])
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(trainable, lr=0.0)
+    _, _, opt = ready(model, MODES[name])
     step(model, opt, ids, device)  # warm
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
