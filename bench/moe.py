@@ -4,8 +4,8 @@ realistic shapes: the per-expert loop (kernels/moe/reference.py), torch._grouped
 same FLOPs, in one run.
 
     python3 -m bench.moe        # tokens 16k / 64k, experts 64 / 256, top-8 / 16, D 2048, I 1024, bf16
-    python3 -m bench.moe --tune # first the Triton grouped GEMM's block sizes (16k tokens, 64 experts) and
-                                # each of its three GEMMs against torch's, then the table with the best
+    python3 -m bench.moe --tune # first the Triton grouped GEMM's configurations, each GEMM alone against
+                                # torch's (16k tokens, 64 experts), then the table with the best
 
 Rows per expert follow a random router (softmax of Gaussian logits, top-k), so groups are uneven
 as in training. 18 M D I FLOPs a call (M = tokens * k). Median of 5 timed calls after 2.
@@ -60,52 +60,54 @@ def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
             "triton_ms": timed(triton_way, [x, w])}
 
 
-def tune(D: int, I: int) -> dict:
+ROWS = [dict(BM=128, BN=256, BK=64, GROUP=1, num_warps=8, num_stages=3),  # the grid order before 2026-12-03
+        dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=3),
+        dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4),
+        dict(BM=128, BN=256, BK=64, GROUP=16, num_warps=8, num_stages=3),
+        dict(BM=128, BN=128, BK=64, GROUP=8, num_warps=4, num_stages=4),
+        dict(BM=128, BN=128, BK=64, GROUP=8, num_warps=8, num_stages=4),
+        dict(BM=256, BN=128, BK=64, GROUP=8, num_warps=8, num_stages=3),
+        dict(BM=128, BN=256, BK=128, GROUP=8, num_warps=8, num_stages=2)]
+WEIGHTS = [dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3),  # before 2026-12-03
+           dict(BM=64, BN=256, BK=128, num_warps=8, num_stages=3),
+           dict(BM=64, BN=128, BK=128, num_warps=4, num_stages=4),
+           dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=3),
+           dict(BM=64, BN=256, BK=128, num_warps=8, num_stages=4),
+           dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=3)]
+
+
+def tune(D: int, I: int) -> None:
+    """Each GEMM of the gate/up projection alone (16k tokens, 64 experts, top-8) with each
+    candidate configuration against torch's; CONFIG takes the best rows and weights entries."""
     g = torch.Generator(device="cuda").manual_seed(0)
     N, E, k = 16384, 64, 8
     idx = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, -1)[1].flatten()
     counts = torch.bincount(idx, minlength=E)
-    x = torch.randn(int(counts.sum()), D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
-    W1 = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
-    W2 = (torch.randn(E, D, I, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
-    base = timed(lambda: grouped.grouped_mlp(x, counts, W1, W2, swiglu), [x, W1, W2])
-    print(f"torch._grouped_mm: {base:.2f} ms")
-    best, best_ms = dict(fused.CONFIG), float("inf")
-    for BM, BN, BK, warps, stages in [(128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-                                      (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3),
-                                      (64, 256, 64, 4, 4)]:
-        cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
-        fused.CONFIG.update(cfg)
-        try:
-            t = timed(lambda: fused.grouped_mlp(x, counts, W1, W2, swiglu), [x, W1, W2])
-        except Exception as err:  # too much shared memory
-            print(f"{cfg}: failed ({str(err)[:80]})", flush=True)
-            continue
-        print(f"{cfg}: {t:.2f} ms ({base / t:.2f}x torch)", flush=True)
-        if t < best_ms:
-            best, best_ms = cfg, t
-    fused.CONFIG.update(best)
-    parts(x, counts, W1)
-    return best
-
-
-def parts(x: torch.Tensor, counts: torch.Tensor, W: torch.Tensor) -> None:
-    """Where the time goes: each of the three GEMMs of one projection alone, torch against Triton."""
     offs = counts.cumsum(0).to(torch.int32)
-    dy = torch.randn(x.shape[0], W.shape[1], device="cuda", dtype=torch.bfloat16)
-    xd, Wd = x.detach(), W.detach()
-    cases = {"y = x W_e^T": (lambda: grouped.gmm(xd, Wd, offs), lambda: fused._rows_gemm(xd, Wd, offs, False)),
-             "dx = dy W_e": (lambda: torch._grouped_mm(dy, Wd, offs=offs),
-                             lambda: fused._rows_gemm(dy, Wd, offs, True)),
-             "dW_e = dy_e^T x_e": (lambda: torch._grouped_mm(dy.T, xd, offs=offs),
-                                   lambda: fused._weights_gemm(dy, xd, offs, W.shape[0]))}
-    for name, (theirs, ours) in cases.items():
-        try:
-            a, b = median_ms(theirs, reps=10, warmup=3), median_ms(ours, reps=10, warmup=3)
-        except RuntimeError as err:
-            print(f"{name}: {str(err)[:100]}")
-            continue
-        print(f"{name}: torch._grouped_mm {a:.3f} ms, Triton {b:.3f} ms ({a / b:.2f}x)", flush=True)
+    M = int(counts.sum())
+    x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    W = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16()
+    dy = torch.randn(M, 2 * I, device="cuda", generator=g, dtype=torch.bfloat16)
+    clock = lambda fn: median_ms(fn, reps=10, warmup=3)  # noqa: E731
+    theirs = {"y": clock(lambda: grouped.gmm(x, W, offs)), "dx": clock(lambda: torch._grouped_mm(dy, W, offs=offs)),
+              "dW": clock(lambda: torch._grouped_mm(dy.T, x, offs=offs))}
+    print("torch._grouped_mm ms: " + ", ".join(f"{n} {t:.3f}" for n, t in theirs.items()), flush=True)
+    ours = {"y": lambda: fused._rows_gemm(x, W, offs, False), "dx": lambda: fused._rows_gemm(dy, W, offs, True),
+            "dW": lambda: fused._weights_gemm(dy, x, offs, E)}
+    for which, cands, gemms in [("rows", ROWS, ["y", "dx"]), ("weights", WEIGHTS, ["dW"])]:
+        best, best_ms = None, float("inf")
+        for cfg in cands:
+            fused.CONFIG[which] = cfg
+            try:
+                ms = {n: clock(ours[n]) for n in gemms}
+            except Exception as err:  # too much shared memory
+                print(f"{which} {cfg}: failed ({str(err)[:80]})", flush=True)
+                continue
+            print(f"{which} {cfg}: " + ", ".join(f"{n} {t:.3f} ms ({theirs[n] / t:.2f}x torch)"
+                                                for n, t in ms.items()), flush=True)
+            if sum(ms.values()) < best_ms:
+                best, best_ms = cfg, sum(ms.values())
+        fused.CONFIG[which] = best
 
 
 def main() -> None:
@@ -121,7 +123,7 @@ def main() -> None:
     D, I = a.hidden, a.inter
     rows, moves = [], []
     if a.tune:
-        fused.CONFIG.update(tune(D, I))
+        tune(D, I)
         print(f"with {fused.CONFIG}\n")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; D={D}, I={I}, bf16, fwd+bwd")
     print("| tokens | experts | top-k | method | ms | TFLOP/s | vs torch._grouped_mm | vs dense |")

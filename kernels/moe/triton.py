@@ -24,22 +24,33 @@ from kernels.dispatch import dot_precision
 from kernels.moe.grouped import mlp
 from kernels.moe.reference import Lora
 
-CONFIG = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)  # the best of bench.moe --tune
+# the best of bench.moe --tune: "rows" for y = x W_e^T and dx = dy W_e, "weights" for dW_e
+CONFIG = {"rows": dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=3),
+          "weights": dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3)}
 
 
-def _config(x: torch.Tensor, **change) -> dict:
-    """CONFIG, with smaller tiles for fp32 inputs (twice the shared memory per tile)."""
-    cfg = {**CONFIG, **change}
+def _config(x: torch.Tensor, which: str) -> dict:
+    """CONFIG[which], with smaller tiles for fp32 inputs (twice the shared memory per tile)."""
+    cfg = dict(CONFIG[which])
     if x.element_size() == 4:
-        cfg.update(BN=min(cfg["BN"], 128), num_stages=2)
+        cfg.update(BN=min(cfg["BN"], 128), BK=min(cfg["BK"], 64), num_stages=2)
     return cfg
 
 
 @triton.jit
-def _gmm_rows(X, W, Y, TILE_E, TILE_ROW, OFFS, C, R, swe, swc, swr,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """Y[m, c] = sum_r X[m, r] W[e, c, r] for the rows m of one tile of group e."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _gmm_rows(X, W, Y, TILE_E, TILE_ROW, OFFS, C, R, swe, swc, swr, TILES_M, TILES_N,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+              PREC: tl.constexpr):
+    """Y[m, c] = sum_r X[m, r] W[e, c, r] for the rows m of one tile of group e.
+
+    One program id over (row tile, column tile), GROUP row tiles at a time across all column
+    tiles: the rows of those tiles stay in L2 while every column tile reads them."""
+    pid = tl.program_id(0)
+    per_group = GROUP * TILES_N
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(TILES_M - first, GROUP)
+    pid_m = first + (pid % per_group) % size
+    pid_n = (pid % per_group) // size
     e = tl.load(TILE_E + pid_m)
     if e >= 0:
         row0 = tl.load(TILE_ROW + pid_m)
@@ -48,14 +59,20 @@ def _gmm_rows(X, W, Y, TILE_E, TILE_ROW, OFFS, C, R, swe, swc, swr,
         cols = pid_n * BN + tl.arange(0, BN)
         r_ok = rows < end
         c_ok = cols < C
+        a_ptr = X + rows[:, None].to(tl.int64) * R + tl.arange(0, BK)[None, :]
+        b_ptr = W + e.to(tl.int64) * swe + cols[None, :] * swc + tl.arange(0, BK)[:, None] * swr
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, R, BK):
-            kk = k0 + tl.arange(0, BK)
-            a = tl.load(X + rows[:, None].to(tl.int64) * R + kk[None, :], mask=r_ok[:, None] & (kk[None, :] < R),
-                        other=0.0)
-            b = tl.load(W + e.to(tl.int64) * swe + cols[None, :] * swc + kk[:, None] * swr,
-                        mask=c_ok[None, :] & (kk[:, None] < R), other=0.0)
+            if EVEN_K:
+                a = tl.load(a_ptr, mask=r_ok[:, None], other=0.0)
+                b = tl.load(b_ptr, mask=c_ok[None, :], other=0.0)
+            else:
+                kk = k0 + tl.arange(0, BK)
+                a = tl.load(a_ptr, mask=r_ok[:, None] & (kk[None, :] < R), other=0.0)
+                b = tl.load(b_ptr, mask=c_ok[None, :] & (kk[:, None] < R), other=0.0)
             acc = tl.dot(a, b, acc, input_precision=PREC)
+            a_ptr += BK
+            b_ptr += BK * swr
         tl.store(Y + rows[:, None].to(tl.int64) * C + cols[None, :], acc.to(Y.dtype.element_ty),
                  mask=r_ok[:, None] & c_ok[None, :])
 
@@ -101,12 +118,13 @@ def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: 
     C = W.shape[2] if transpose else W.shape[1]
     swe, s1, s2 = W.stride()
     swc, swr = (s2, s1) if transpose else (s1, s2)
-    cfg = _config(x)
+    cfg = _config(x, "rows")
     tile_e, tile_row, n = _tiles(offs, M, cfg["BM"])
     y = torch.empty(M, C, dtype=x.dtype, device=x.device)
     if M:
-        _gmm_rows[(n, triton.cdiv(C, cfg["BN"]))](x, W, y, tile_e, tile_row, offs, C, R, swe, swc, swr,
-                                                   PREC=dot_precision(x), **cfg)
+        cols = triton.cdiv(C, cfg["BN"])
+        _gmm_rows[(n * cols,)](x, W, y, tile_e, tile_row, offs, C, R, swe, swc, swr, n, cols,
+                               EVEN_K=R % cfg["BK"] == 0, PREC=dot_precision(x), **cfg)
     return y
 
 
@@ -114,7 +132,7 @@ def _weights_gemm(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, E: int)
     """dW_e = dy_e^T x_e: [E, N, K]."""
     N, K = dy.shape[1], x.shape[1]
     dW = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
-    cfg = _config(x, BM=64)
+    cfg = _config(x, "weights")
     _gmm_weights[(triton.cdiv(N, cfg["BN"]), triton.cdiv(K, cfg["BK"]), E)](dy, x, dW, offs, N, K,
                                                                            PREC=dot_precision(x), **cfg)
     return dW

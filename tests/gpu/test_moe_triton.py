@@ -24,7 +24,7 @@ def counts_for(E: int, seed: int, most: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
-@pytest.mark.parametrize("E,N,K,most", [(5, 24, 40, 70), (3, 136, 72, 200),
+@pytest.mark.parametrize("E,N,K,most", [(5, 24, 40, 70), (3, 136, 72, 200), (4, 40, 128, 150),
                                          pytest.param(16, 1024, 2048, 700, marks=gpu_only)])
 def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype):
     from kernels.moe.triton import gmm
