@@ -41,6 +41,9 @@ MODES = {
     "full recompute, MLPs": MemorySpec(recompute="full", blocks=["mlp"]),
     "swap core, device, MLPs": MemorySpec(recompute="selective", tier="device", blocks=["mlp"]),
     "swap core, host, MLPs": MemorySpec(recompute="selective", tier="host", blocks=["mlp"]),
+    # only the kernels' forwards kept (no dispatch mode): little memory for their recompute time
+    "swap core, device, kernels": MemorySpec(recompute="selective", cache_ops=["kernels"]),
+    "swap core, host, kernels": MemorySpec(recompute="selective", tier="host", cache_ops=["kernels"]),
 }
 BASELINE = "full recompute"
 

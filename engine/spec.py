@@ -33,7 +33,7 @@ class MemorySpec:
     ``blocks``: which sublayers of each decoder layer are recomputed (attention, mlp); the others
     keep their activations as without recompute."""
     recompute: Literal["none", "full", "selective"] = "none"
-    cache_ops: list[str] = field(default_factory=lambda: ["mm", "grouped_mm"])
+    cache_ops: list[str] = field(default_factory=lambda: ["mm", "grouped_mm", "kernels"])
     tier: Literal["device", "host", "auto"] = "device"
     quantize: Literal["none", "fp8", "int8"] = "none"
     device_budget_mb: float | None = None  # tier auto: device bytes the cache may hold

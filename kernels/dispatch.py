@@ -1,9 +1,11 @@
 """Which implementation of an op runs: the Triton kernel on CUDA, the PyTorch reference
 elsewhere (the CPU, float64 inputs, or ``KILN_KERNELS=reference`` anywhere, to compare or to
-debug)."""
+debug), and the hook through which Swap Core keeps a kernel's outputs (``kept``)."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -20,3 +22,24 @@ def dot_precision(t: torch.Tensor) -> str:
     """``input_precision`` for a Triton kernel's dot products on inputs like ``t``: IEEE for fp32,
     so fp32 meets its 1e-5 tolerance (tf32 would not), the default elsewhere."""
     return "ieee" if t.dtype == torch.float32 else "tf32"
+
+
+# Swap Core (engine/memory) sets this while a recomputed block runs. ``kept(name, fn)`` then keeps
+# fn's outputs in the block's forward and, in its recompute, hands them back instead of calling
+# fn again: a kernel's forward whose outputs include what its backward saves is never rerun.
+_keeper: Callable[[str, Callable[[], Any]], Any] | None = None
+
+
+def kept(name: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, unless Swap Core keeps calls named ``name`` (kernels' forwards, selections)."""
+    return fn() if _keeper is None else _keeper(name, fn)
+
+
+@contextmanager
+def keeping(keeper: Callable[[str, Callable[[], Any]], Any]) -> Iterator[None]:
+    global _keeper
+    before, _keeper = _keeper, keeper
+    try:
+        yield
+    finally:
+        _keeper = before

@@ -7,9 +7,15 @@ non-reentrant ``torch.utils.checkpoint``: its activations are dropped after the 
 recomputed from the block's inputs in the backward.
 
 - ``recompute: full``: the whole block is recomputed.
-- ``recompute: selective``: the outputs of the chosen ops (``cache_ops``: matmuls, grouped GEMMs)
-  are kept from the forward and handed back during the recompute, which then redoes only the
-  cheap ops around them. Where a kept output lives is the ``tier``:
+- ``recompute: selective``: the outputs of the chosen ops (``cache_ops``: matmuls, grouped GEMMs,
+  the Triton kernels' forwards) are kept from the forward and handed back during the recompute,
+  which then redoes only the cheap ops around them. Two ways in: aten op classes (``mm``, ...)
+  through a dispatch mode that sees every op of the block (~10 µs of Python an op, forward and
+  recompute), and ``kernels`` (KDA, DSA's attention and indexer loss) at the kernel's own call
+  (``kernels.dispatch.kept``: no cost for other ops). A kernel keeps all its backward saves but
+  its inputs (KDA: o, the final state, A_qk, (I + A_kk)^-1; DSA: o, lse, the target), so its
+  forward never runs twice: most recompute time per byte kept. Where a kept output lives is the
+  ``tier``:
   ``device`` (device memory), ``host`` (pinned host memory: copied out on a side stream as the
   forward goes, and brought back one block ahead of the backward, so copies overlap compute) or
   ``auto`` (device memory while the cache's live device bytes stay under ``device_budget_mb``,
@@ -24,6 +30,8 @@ recomputed from the block's inputs in the backward.
   0.014 and 0.042 on a 1024-wide one, 0.015 and 0.047 at the H200 bench's size. bf16 autocast
   itself moves them from fp32 by 0.042 and 0.195 on those CPU models, and the quantized runs are
   as far from fp32 as bf16 is: a one-byte cache adds little to the precision already chosen.
+  The kernels' outputs are never quantized (they are few bytes for their cost, and a kernel's
+  backward takes them as they were).
 - Selections (``SELECTIONS``: DSA's top-k) are kept whenever anything is, whatever ``cache_ops``
   says: the recompute must choose what the forward chose, and from quantized kept values it might
   not.
@@ -50,8 +58,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-import kernels.dsa  # noqa: F401  (registers kiln::indexer_topk, one of SELECTIONS)
 from engine.spec import MemorySpec
+from kernels.dispatch import keeping
 
 aten = torch.ops.aten
 # The op classes a config may name; a class covers the aten ops that compute it.
@@ -62,11 +70,14 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
     "attention": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                   "_scaled_dot_product_cudnn_attention"),
 }
+# Op classes kept at the call (kernels.dispatch.kept names): the Triton kernels' forwards. On a
+# CPU the references run instead, plain torch ops: nothing of this class is kept there.
+CALLS: dict[str, tuple[str, ...]] = {"kernels": ("kda", "sparse_attention", "indexer_kl")}
 # Discrete choices: kept whenever anything is (a few bytes a token), so that the recompute repeats
 # the forward's choice exactly. Recomputed from quantized kept values they could differ, and the
 # backward would differentiate another forward (DSA's top-k: 0.022 -> 0.006 gradient error with
 # int8 caches, measured on the CPU hybrid); kept, the recompute also skips the indexer's scores.
-SELECTIONS = frozenset({torch.ops.kiln.indexer_topk.default.overloadpacket})
+SELECTIONS = frozenset({"indexer_topk"})
 BLOCKS = {"attention": "self_attn", "mlp": "mlp"}  # memory.blocks -> the decoder layer's sublayer
 QUANT = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # code dtype, largest code
 BLOCK = 32  # elements per quantization scale
@@ -95,13 +106,15 @@ def check_spec(spec: MemorySpec) -> None:
     resolve_ops(spec.cache_ops)
 
 
-def resolve_ops(names: list[str]) -> frozenset:
-    """aten op packets for the op classes named; a class whose ops this torch lacks adds none."""
-    unknown = sorted(set(names) - set(OP_CLASSES))
+def resolve_ops(names: list[str]) -> tuple[frozenset, frozenset]:
+    """(aten op packets, kept call names) for the op classes named; a class whose ops this torch
+    lacks adds none."""
+    unknown = sorted(set(names) - set(OP_CLASSES) - set(CALLS))
     if unknown:
         raise ValueError(f"memory.cache_ops: unknown op class(es) {', '.join(unknown)}; "
-                         f"known: {', '.join(OP_CLASSES)}")
-    return frozenset(getattr(aten, op) for n in names for op in OP_CLASSES[n] if hasattr(aten, op))
+                         f"known: {', '.join([*OP_CLASSES, *CALLS])}")
+    ops = frozenset(getattr(aten, op) for n in names for op in OP_CLASSES.get(n, ()) if hasattr(aten, op))
+    return ops, frozenset(c for n in names for c in CALLS.get(n, ()))
 
 
 @dataclass
@@ -138,7 +151,10 @@ class SwapCore:
     def __init__(self, spec: MemorySpec):
         check_spec(spec)
         self.spec = spec
-        self.ops = resolve_ops(spec.cache_ops) | SELECTIONS if spec.recompute == "selective" else frozenset()
+        ops, calls = resolve_ops(spec.cache_ops)
+        selective = spec.recompute == "selective"
+        self.ops = ops if selective else frozenset()  # aten ops, through a dispatch mode
+        self.calls = calls | SELECTIONS if selective else frozenset()  # kernels.dispatch.kept names
         self.budget = (spec.device_budget_mb or 0.0) * 2**20
         self.frames: list[weakref.ref] = []  # blocks of the forward not yet recomputed, in order
         self.live = {"device": 0, "host": 0}  # bytes kept now
@@ -164,7 +180,7 @@ class SwapCore:
         module.forward = forward
 
     def _contexts(self):
-        if not self.ops:  # full recompute: nothing to keep, only the recompute flag
+        if not self.calls:  # full recompute: nothing to keep, only the recompute flag
             return nullcontext(), _flag_recompute()
         frame = _Frame()
         self.frames.append(weakref.ref(frame))
@@ -188,10 +204,12 @@ class SwapCore:
             return "device" if self.live["device"] + nbytes <= self.budget else "host"
         return self.spec.tier
 
-    def keep(self, x: torch.Tensor) -> _Kept:
-        """Store a forward output (called inside the op dispatch: no autograd here)."""
+    def keep(self, x: torch.Tensor, exact: bool = False) -> _Kept:
+        """Store a forward output (called inside the op dispatch or a kernel's forward: no autograd
+        here); quantized as ``spec.quantize`` says unless ``exact``."""
         data, scale = x.detach(), None
-        if self.spec.quantize != "none" and x.dtype in (torch.bfloat16, torch.float16) and x.dim() and x.numel():
+        if (not exact and self.spec.quantize != "none" and x.dtype in (torch.bfloat16, torch.float16) and x.dim()
+                and x.numel()):
             data, scale = quantize(data, self.spec.quantize)
         nbytes = data.numel() * data.element_size() + (scale.numel() * 4 if scale is not None else 0)
         tier = self._tier(nbytes)
@@ -274,34 +292,66 @@ def _leaves(item) -> Iterator[_Kept]:
             yield from _leaves(x)
 
 
-class _Keep(TorchDispatchMode):
-    """The block's forward: run every op, keep the outputs of the chosen ones."""
+class _Phase:
+    """One block's forward (``_Keep``) or its recompute (``_Reuse``): the hook at the kernels'
+    calls, and a dispatch mode for the aten op classes when any is chosen. ``op(key, run, exact)``
+    is what each does with a chosen op."""
 
     def __init__(self, core: SwapCore, frame: _Frame):
-        super().__init__()
         self.core, self.frame = core, frame
+        self._hook = self._mode = None
+
+    def op(self, key, run, exact: bool):
+        raise NotImplementedError
+
+    def call(self, name: str, run):
+        return self.op(name, run, exact=True) if name in self.core.calls else run()
+
+    def __enter__(self):
+        self._hook = keeping(self.call)
+        self._hook.__enter__()
+        if self.core.ops:
+            self._mode = _Ops(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+        self._hook.__exit__(None, None, None)
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten op of a block passes here; the chosen ones go to the phase."""
+
+    def __init__(self, phase: _Phase):
+        super().__init__()
+        self.phase = phase
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in self.core.ops:
-            self.frame.kept[func].append(tree_map_only(torch.Tensor, self.core.keep, out))
+        run = functools.partial(func, *args, **(kwargs or {}))
+        return self.phase.op(func, run, exact=False) if func.overloadpacket in self.phase.core.ops else run()
+
+
+class _Keep(_Phase):
+    """The block's forward: run every op, keep the outputs of the chosen ones."""
+
+    def op(self, key, run, exact: bool):
+        out = run()
+        self.frame.kept[key].append(tree_map_only(torch.Tensor, functools.partial(self.core.keep, exact=exact), out))
         return out
 
     def __exit__(self, *exc):
+        super().__exit__(*exc)
         for k in self.frame.leaves():  # an output changed in place later in the block would be stale
             if k.alias is not None and k.alias._version != k.version:
                 raise RuntimeError("Swap Core: an op changed a kept output in place; recompute that block "
                                    "fully or take the op's class out of memory.cache_ops")
             k.alias = None  # a host copy holds the device memory only until it is done
-        return super().__exit__(*exc)
 
 
-class _Reuse(TorchDispatchMode):
+class _Reuse(_Phase):
     """The block's recompute: the chosen ops return what the forward kept, the rest run again."""
-
-    def __init__(self, core: SwapCore, frame: _Frame):
-        super().__init__()
-        self.core, self.frame = core, frame
 
     def __enter__(self):
         global _recomputing
@@ -327,12 +377,10 @@ class _Reuse(TorchDispatchMode):
             raise RuntimeError(f"Swap Core: the recompute ran {left} kept op(s) fewer than the forward did; "
                                "the block's control flow changed between forward and backward")
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket not in self.core.ops:
-            return func(*args, **(kwargs or {}))
-        q = self.frame.kept.get(func)
+    def op(self, key, run, exact: bool):
+        q = self.frame.kept.get(key)
         if not q:
-            raise RuntimeError(f"Swap Core: the recompute ran {func} more often than the forward did; the "
+            raise RuntimeError(f"Swap Core: the recompute ran {key} more often than the forward did; the "
                                "block's control flow changed between forward and backward")
         return tree_map_only(_Kept, self.core.give_back, q.popleft())
 

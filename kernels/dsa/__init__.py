@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import fast
+from kernels.dispatch import fast, kept
 from kernels.dsa import reference
 from kernels.dsa.reference import allowed_keys, indexer_scores
 
@@ -17,21 +17,27 @@ def _impl(*tensors: torch.Tensor):
 
 
 @torch.library.custom_op("kiln::indexer_topk", mutates_args=())
-def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
-                 topk: int) -> torch.Tensor:
-    """``reference.indexer_topk`` or its kernel, as one op (``kiln::indexer_topk``) so that Swap Core
-    sees the selection and keeps it: a recompute must attend to the keys the forward chose.
+def _topk_op(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
+             topk: int) -> torch.Tensor:
+    """``reference.indexer_topk`` or its kernel, as one op (``kiln::indexer_topk``).
 
-    Scored outside autocast, always (fp32, as the kernel does): a dispatch mode (Swap Core's) runs
-    a custom op's body with autocast off, and the reference's fp32 matmuls would otherwise round to
-    bf16 without the mode and not with it, choosing other keys."""
+    Scored outside autocast, always (fp32, as the kernel does): a dispatch mode runs a custom op's
+    body with autocast off, and the reference's fp32 matmuls would otherwise round to bf16 without
+    a mode and not with one, choosing other keys."""
     with torch.autocast(q_BTJD.device.type, enabled=False):
         return _impl(q_BTJD, k_BSD, w_BTJ).indexer_topk(q_BTJD, k_BSD, w_BTJ, starts_BT, topk)
 
 
-@indexer_topk.register_fake
+@_topk_op.register_fake
 def _(q_BTJD, k_BSD, w_BTJ, starts_BT, topk):
     return q_BTJD.new_empty(*q_BTJD.shape[:2], min(topk, k_BSD.shape[1]), dtype=torch.int32)
+
+
+def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
+                 topk: int) -> torch.Tensor:
+    """The keys each query attends to. A selection: Swap Core keeps it whenever it keeps anything
+    (``kept``), so that a recompute attends to the keys the forward chose."""
+    return kept("indexer_topk", lambda: _topk_op(q_BTJD, k_BSD, w_BTJ, starts_BT, topk))
 
 
 def sparse_attention(q_BTHD, k_BSGD, v_BSGE, idx_BTK, scale: float, with_weights: bool = False):

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import dot_precision
+from kernels.dispatch import dot_precision, kept
 
 NONE = -(2**63)  # the sort key of a key a query may not see
 
@@ -341,21 +341,27 @@ class _SparseAttention(torch.autograd.Function):
         meta, (B, T, H, G, E) = _attn_meta(q, k, v)
         NK = idx.shape[-1]
         cnt = _counts(idx)
-        o = torch.empty(B, T, H, E, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
         scale2 = scale * math.log2(math.e)
-        cfg = _bh(CONFIG["fwd"], H // G, q)
-        cfg["EB"] = min(cfg["EB"], _pow2(E))
-        blocks = triton.cdiv(H // G, cfg["BH"]) * triton.cdiv(E, cfg["EB"])
-        _attn_fwd[(T, B * G, blocks)](q, k, v, idx, cnt, o, lse, T, NK, scale2, **meta, **cfg)
+
+        def run():
+            o = torch.empty(B, T, H, E, dtype=q.dtype, device=q.device)
+            lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+            cfg = _bh(CONFIG["fwd"], H // G, q)
+            cfg["EB"] = min(cfg["EB"], _pow2(E))
+            blocks = triton.cdiv(H // G, cfg["BH"]) * triton.cdiv(E, cfg["EB"])
+            _attn_fwd[(T, B * G, blocks)](q, k, v, idx, cnt, o, lse, T, NK, scale2, **meta, **cfg)
+            if not with_weights:
+                return o, lse, None
+            p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device)
+            meta_w = {n: meta[n] for n in ("H", "G", "D", "DA", "DB", "PREC")}
+            _attn_weights[(T, B)](q, k, idx, cnt, lse, p, T, NK, scale2, **meta_w,
+                                  **_bh(CONFIG["weights"], H // G, q))
+            return o, lse, p
+        o, lse, p = kept("sparse_attention", run)
         ctx.save_for_backward(q, k, v, idx, cnt, o, lse)
         ctx.scale = scale
-        if not with_weights:
-            return o, None
-        p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device)
-        meta_w = {n: meta[n] for n in ("H", "G", "D", "DA", "DB", "PREC")}
-        _attn_weights[(T, B)](q, k, idx, cnt, lse, p, T, NK, scale2, **meta_w, **_bh(CONFIG["weights"], H // G, q))
-        ctx.mark_non_differentiable(p)
+        if p is not None:
+            ctx.mark_non_differentiable(p)
         return o, p
 
     @staticmethod
@@ -490,8 +496,12 @@ class _IndexerKL(torch.autograd.Function):
         idx, p = idx.to(torch.int32).contiguous(), p.detach().float().contiguous()
         B, T, J, DH = q.shape
         cnt = _counts(idx)
-        loss, lse, psum = (torch.empty(B, T, dtype=torch.float32, device=q.device) for _ in range(3))
-        _kl_fwd[(T, B)](q, k, w, idx, cnt, p, loss, lse, psum, T, idx.shape[-1], DH ** -0.5, J=J, **_kl_meta(q))
+
+        def run():
+            loss, lse, psum = (torch.empty(B, T, dtype=torch.float32, device=q.device) for _ in range(3))
+            _kl_fwd[(T, B)](q, k, w, idx, cnt, p, loss, lse, psum, T, idx.shape[-1], DH ** -0.5, J=J, **_kl_meta(q))
+            return loss, lse, psum
+        loss, lse, psum = kept("indexer_kl", run)
         ctx.save_for_backward(q, k, w, idx, cnt, p, lse, psum)
         return loss.sum() / B
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import dot_precision
+from kernels.dispatch import dot_precision, kept
 from kernels.kda.reference import segments
 
 C = 64  # chunk
@@ -575,11 +575,15 @@ class _KDA(torch.autograd.Function):
         q, k, v, g, beta = flat
         ctx.h0_dtype = h0.dtype if h0 is not None else None
         h0 = h0.float().contiguous() if h0 is not None else None
-        G, Aqk, Mi = _prepare(q, k, g, beta, scale, chunks, s)
-        _, _, QG, HS, VN, HT = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
-        o = torch.empty(B, T, H, s.V, device=q.device, dtype=torch.float32)
-        _output[(s.NC, H, triton.cdiv(s.V, s.BVS))](QG, Aqk, HS, VN, o, chunks, H, K, s.V, BK=s.BK, BV=s.BVS, DT=s.DT,
-                                                    PREC=s.PREC)
+
+        def run():
+            G, Aqk, Mi = _prepare(q, k, g, beta, scale, chunks, s)
+            _, _, QG, HS, VN, HT = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
+            o = torch.empty(B, T, H, s.V, device=q.device, dtype=torch.float32)
+            _output[(s.NC, H, triton.cdiv(s.V, s.BVS))](QG, Aqk, HS, VN, o, chunks, H, K, s.V, BK=s.BK, BV=s.BVS,
+                                                        DT=s.DT, PREC=s.PREC)
+            return o, HT, Aqk, Mi
+        o, HT, Aqk, Mi = kept("kda", run)  # all the backward saves but the inputs
         ctx.save_for_backward(*flat, h0 if h0 is not None else HT.new_empty(0), chunks, seq, Aqk, Mi)
         ctx.scale, ctx.s, ctx.has_h0 = scale, s, h0 is not None
         return o, HT

@@ -48,6 +48,7 @@ def test_swap_core_on_cuda(deterministic):
     again, _, _ = step(model, ids, MemorySpec())
     assert all(torch.equal(ref[n], again[n]) for n in ref)  # the model itself is deterministic here
     for spec in (MemorySpec(recompute="full"), MemorySpec(recompute="selective"),
+                 MemorySpec(recompute="selective", cache_ops=["kernels"]),
                  MemorySpec(recompute="selective", tier="host"),
                  MemorySpec(recompute="selective", tier="auto", device_budget_mb=1.0)):
         got, peak, core = step(model, ids, spec)

@@ -302,6 +302,6 @@ def test_a_job_trains_the_same_with_swap_core(tmp_path):
     plain = job(MemorySpec())
     swapped = job(MemorySpec(recompute="selective", tier="host"))
     assert swapped.losses == plain.losses and len(plain.losses) == 3
-    assert "Recompute: selective, keeping mm, grouped_mm outputs on the host tier" in swapped.messages
+    assert "Recompute: selective, keeping mm, grouped_mm, kernels outputs on the host tier" in swapped.messages
     assert swapped.steps[3]["swap_host_mb"] > 0 and swapped.steps[3]["swap_device_mb"] == 0
     assert "swap_host_mb" not in plain.steps[3]
