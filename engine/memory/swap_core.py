@@ -240,6 +240,7 @@ class SwapCore:
         with torch.cuda.stream(s):
             for k in todo:
                 k.data = k.data.to(k.device, non_blocking=True)
+                k.version = k.data._version  # a new tensor: the in-place check starts from its count
                 if k.scale_N1 is not None:
                     k.scale_N1 = k.scale_N1.to(k.device, non_blocking=True)
             frame.ready = torch.cuda.Event()

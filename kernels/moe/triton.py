@@ -25,8 +25,8 @@ from kernels.moe.grouped import mlp
 from kernels.moe.reference import Lora
 
 # the best of bench.moe --tune: "rows" for y = x W_e^T and dx = dy W_e, "weights" for dW_e
-CONFIG = {"rows": dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=3),
-          "weights": dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3)}
+CONFIG = {"rows": dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4),
+          "weights": dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=3)}
 
 
 def _config(x: torch.Tensor, which: str) -> dict:

@@ -66,7 +66,7 @@ def test_hybrid_tiny_job_with_images(pg_stack, sample):
         assert done["method"]["supervised"]["hyperparameters"]["memory"]["tier"] == "host"
         events = c.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]
         r = c.get(f"/v1/fine_tuning/jobs/{job['id']}/adapter")
-    assert any(e["message"].startswith("Recompute: selective, keeping mm, grouped_mm outputs on the host tier")
+    assert any(e["message"].startswith("Recompute: selective, keeping mm, grouped_mm, kernels outputs on the host tier")
                for e in events)
     assert any(e["type"] == "metrics" and e["data"].get("swap_host_mb", 0) > 0 for e in events)
     keys = set(load_safetensors(zipfile.ZipFile(io.BytesIO(r.content)).read("adapter_model.safetensors")))

@@ -22,7 +22,7 @@ def test_train_from_a_yaml_config_then_resume(tmp_path):
                    "memory: {recompute: selective, tier: host}\n")
     out = run("train", str(cfg), "--store", str(tmp_path / "store"))
     assert out.returncode == 0, out.stderr
-    assert "Recompute: selective, keeping mm, grouped_mm outputs on the host tier" in out.stdout
+    assert "Recompute: selective, keeping mm, grouped_mm, kernels outputs on the host tier" in out.stdout
     assert "step 10/12 loss" in out.stdout and "checkpoint at step 5" in out.stdout
     adapter = Path(out.stdout.strip().splitlines()[-1].removeprefix("adapter: "))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(zipfile.ZipFile(adapter).namelist())
