@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from engine.config import DSAConfig, KDAConfig, ModelConfig, MoEConfig
-from engine.lora import apply_lora
+from engine.lora import apply_lora, store_frozen
 from engine.memory import apply_swap_core
 from engine.model.hybrid import HybridForCausalLM
 from engine.spec import LoraSpec, MemorySpec
@@ -66,7 +66,7 @@ def bench_config(size: str) -> tuple[ModelConfig, int]:
     return c, 4096
 
 
-def build(c: ModelConfig, device: torch.device) -> HybridForCausalLM:
+def build(c: ModelConfig, device: torch.device, base: str = "bf16") -> HybridForCausalLM:
     torch.manual_seed(0)
     with torch.device(device):
         model = HybridForCausalLM(c)
@@ -82,6 +82,8 @@ def build(c: ModelConfig, device: torch.device) -> HybridForCausalLM:
         "q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_b_proj", "gate_proj",
         "up_proj", "down_proj", "latent_down", "latent_up"],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    if device.type == "cuda" and base == "bf16":
+        store_frozen(model, torch.bfloat16)  # as the trainer does on one GPU
     return model.train()
 
 
@@ -172,7 +174,7 @@ def profile(model, name: str, ids, device) -> None:
     print(f"\n{name}: step {1e3 * wall:.0f} ms under the profiler, device busy {busy:.0f} ms, "
           f"{sum(e.count for e in events)} ops")
     print(events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
-                       row_limit=18, max_name_column_width=48))
+                       row_limit=30, max_name_column_width=48))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -188,6 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "otherwise make even two identical runs differ")
     p.add_argument("--profile", nargs="*", default=[], choices=list(MODES),
                    help="after the timings, one profiled step of each of these modes")
+    p.add_argument("--base", choices=["bf16", "fp32"], default="bf16",
+                   help="the frozen base weights on a GPU: bf16 as the trainer stores them, or fp32 (cast by "
+                        "autocast at every use)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "swap_core.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -196,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.use_deterministic_algorithms(True)
     cfg, tokens = bench_config(args.size)
     tokens = args.tokens or tokens
-    model = build(cfg, device)
+    weights = args.base if device.type == "cuda" else "fp32"
+    model = build(cfg, device, weights)
     ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
     results, ref = {}, None
     for name in ["no recompute"] + [m for m in args.modes if m != "no recompute"]:
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
         print(name, results[name].get("step_s", "OOM"), flush=True)
     base = results[BASELINE]
-    print(f"\nSwap Core, hybrid {args.size} ({tokens} tokens, LoRA, bf16 autocast on {device}"
+    print(f"\nSwap Core, hybrid {args.size} ({tokens} tokens, LoRA, {weights} base, bf16 autocast on {device}"
           f"{', deterministic' if args.deterministic else ''}); baseline: {BASELINE}")
     print(f"{'mode':<24} {'step ms':>9} {'speed vs full':>14} {'peak GiB':>9} {'mem vs full':>12} "
           f"{'kept dev/host GiB':>18} {'grad err':>9}")
@@ -224,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['peak_gib'] / base['peak_gib']:>11.2f}x {r['kept_device_gib']:>8.2f}/{r['kept_host_gib']:<9.2f} {err:>9}")
     report = {"size": args.size, "tokens": tokens, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__, "config": json.loads(cfg.to_json()),
-              "deterministic": args.deterministic, "baseline": BASELINE, "results": results}
+              "deterministic": args.deterministic, "base": weights, "baseline": BASELINE, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     for name in args.profile:

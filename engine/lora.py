@@ -125,6 +125,29 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> list[str]:
     return wrapped
 
 
+@torch.no_grad()
+def store_frozen(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store the frozen weights that only enter matmuls under autocast (``nn.Linear`` and
+    ``nn.Conv1d`` weights and biases, the experts' grouped weights) in autocast's ``dtype``; returns
+    the bytes saved. Autocast casts a weight at every use unless it requires grad (only those are
+    cached): a frozen fp32 base is cast in every forward, again in every recompute, and kept in
+    twice the memory. The products are the same: the stored weight is what the cast gave. Not for
+    ``merge`` (folding B A into a bf16 weight and out again loses bits)."""
+    saved = 0
+    for mname, m in model.named_modules():
+        if isinstance(m, (nn.Linear, nn.Conv1d)):
+            params = [m.weight, m.bias]
+        elif mname.endswith("mlp.experts"):
+            params = [getattr(m, n, None) for n in ("gate_up_proj", "down_proj")]
+        else:
+            continue
+        for t in params:
+            if isinstance(t, nn.Parameter) and not t.requires_grad and t.is_floating_point() and t.dtype != dtype:
+                saved += t.numel() * (t.element_size() - torch.finfo(dtype).bits // 8)
+                t.data = t.data.to(dtype)
+    return saved
+
+
 def _expert_keys(experts_path: str, names: list[str], i: int) -> str:
     """PEFT nests one wrapper per target parameter: the first is innermost (``base_layer``)."""
     return f"{PEFT_PREFIX}{experts_path}" + ".base_layer" * (len(names) - 1 - i)

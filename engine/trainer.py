@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.data import IGNORE, Dataset, ImageCache, collate, epoch_batches, split
-from engine.lora import apply_lora, load_adapter, save_adapter
+from engine.lora import apply_lora, load_adapter, save_adapter, store_frozen
 from engine.memory import apply_swap_core
 from engine.spec import JobSpec, Reporter, Store, TrainResult
 from engine.config import ModelConfig, count_parameters
@@ -319,6 +319,8 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path, mesh=Non
         reporter.message(f"Parallel: {mesh.world} processes, FSDP2 over all, experts split {mesh.ep} ways",
                          data={"world_size": mesh.world, "ep_size": mesh.ep})
     else:
+        if device.type == "cuda" and spec.training != "full":  # the steps run under bf16 autocast
+            store_frozen(model, torch.bfloat16)  # (FSDP2 shards one dtype per group: not with a mesh)
         model.to(device)
     if swap is not None:
         m = spec.memory

@@ -108,3 +108,44 @@ def test_attention_kernels_get_bf16_under_autocast(monkeypatch):
         model(torch.randint(0, 512, (1, 64)))
     assert set(seen) == {"kda_chunk", "sparse_attention", "grouped_mlp"}
     assert all(d == torch.bfloat16 for dts in seen.values() for d in dts), seen
+
+
+def test_a_bf16_frozen_base_trains_as_the_fp32_one_under_autocast():
+    """store_frozen keeps the frozen matmul weights (linear, conv, experts) in bf16: under bf16
+    autocast the loss and every LoRA gradient are bit-equal to the fp32 base's (autocast gave the
+    matmuls those very bf16 values), the weights take half the memory, and what autocast does not
+    cast (norms, gates, the router, embeddings, the factors) stays fp32."""
+    import copy
+
+    from engine.lora import store_frozen
+
+    c = ModelConfig.debug(vocab_size=512)
+    base = build(c, dtype=torch.float32)
+    apply_lora(base, LoraSpec(rank=4, target_modules=["q_proj", "o_proj", "latent_down", "down_proj"],
+                              target_parameters=["mlp.experts.gate_up_proj"]))
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if "lora_B" in n or n.endswith("_B"):
+                p.normal_(0, 0.1)  # non-zero B: every LoRA factor gets a gradient
+    small = copy.deepcopy(base)
+    before = sum(p.numel() * p.element_size() for p in small.parameters())
+    saved = store_frozen(small, torch.bfloat16)
+    assert 0 < saved == before - sum(p.numel() * p.element_size() for p in small.parameters())
+    dtypes = {n: p.dtype for n, p in small.named_parameters()}
+    assert dtypes["layers.0.self_attn.q_proj.base.weight"] == dtypes["layers.1.mlp.experts.down_proj"] == torch.bfloat16
+    assert dtypes["layers.0.self_attn.conv1d.weight"] == torch.bfloat16
+    keep32 = [n for n in dtypes if "norm" in n or "lora" in n or "embed_tokens" in n or n.endswith("gate.weight")]
+    assert keep32 and all(dtypes[n] == torch.float32 for n in keep32)
+    ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(3))
+    got = {}
+    for name, model in (("fp32", base), ("bf16", small)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+        loss.backward()
+        got[name] = loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert torch.equal(got["fp32"][0], got["bf16"][0])
+    assert got["fp32"][1].keys() == got["bf16"][1].keys() and len(got["fp32"][1]) > 8
+    for n, g in got["fp32"][1].items():
+        assert g is not None and g.abs().sum() > 0, n
+        assert torch.equal(g, got["bf16"][1][n]), n
