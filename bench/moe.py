@@ -104,10 +104,6 @@ def tune(D: int, I: int) -> None:
             if sum(ms.values()) < best_ms:
                 best, best_ms = cfg, sum(ms.values())
         fused.CONFIG[which] = best
-    fused.ROWS_OF_W = not fused.ROWS_OF_W
-    other = clock(ours["y"])
-    print(f"y with ROWS_OF_W={fused.ROWS_OF_W}: {other:.3f} ms ({theirs['y'] / other:.2f}x torch)", flush=True)
-    fused.ROWS_OF_W = not fused.ROWS_OF_W
 
 
 def main() -> None:

@@ -29,9 +29,6 @@ CONFIG = {"rows": dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4
           "weights": dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=3)}
 
 
-ROWS_OF_W = True  # y = x W_e^T reads W_e's tiles as stored (bench.moe --tune compares)
-
-
 def _config(x: torch.Tensor, which: str) -> dict:
     """CONFIG[which], with smaller tiles for fp32 inputs (twice the shared memory per tile)."""
     cfg = dict(CONFIG[which])
@@ -43,12 +40,11 @@ def _config(x: torch.Tensor, which: str) -> dict:
 @triton.jit
 def _gmm_rows(X, W, Y, TILE_E, TILE_ROW, OFFS, C, R, swe, swc, swr, TILES_M, TILES_N,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-              ROWS_OF_W: tl.constexpr, PREC: tl.constexpr):
+              PREC: tl.constexpr):
     """Y[m, c] = sum_r X[m, r] W[e, c, r] for the rows m of one tile of group e.
 
     One program id over (row tile, column tile), GROUP row tiles at a time across all column
-    tiles: the rows of those tiles stay in L2 while every column tile reads them. ``ROWS_OF_W``:
-    W's tile is read as stored, [BN, BK] rows of W_e (y = x W_e^T), and transposed in registers."""
+    tiles: the rows of those tiles stay in L2 while every column tile reads them."""
     pid = tl.program_id(0)
     per_group = GROUP * TILES_N
     first = (pid // per_group) * GROUP
@@ -64,21 +60,17 @@ def _gmm_rows(X, W, Y, TILE_E, TILE_ROW, OFFS, C, R, swe, swc, swr, TILES_M, TIL
         r_ok = rows < end
         c_ok = cols < C
         a_ptr = X + rows[:, None].to(tl.int64) * R + tl.arange(0, BK)[None, :]
-        if ROWS_OF_W:
-            b_ptr = W + e.to(tl.int64) * swe + cols[:, None] * swc + tl.arange(0, BK)[None, :] * swr
-        else:
-            b_ptr = W + e.to(tl.int64) * swe + cols[None, :] * swc + tl.arange(0, BK)[:, None] * swr
+        b_ptr = W + e.to(tl.int64) * swe + cols[None, :] * swc + tl.arange(0, BK)[:, None] * swr
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, R, BK):
-            a_ok, b_ok = r_ok[:, None], c_ok[:, None] if ROWS_OF_W else c_ok[None, :]
-            if not EVEN_K:
+            if EVEN_K:
+                a = tl.load(a_ptr, mask=r_ok[:, None], other=0.0)
+                b = tl.load(b_ptr, mask=c_ok[None, :], other=0.0)
+            else:
                 kk = k0 + tl.arange(0, BK)
-                a_ok = a_ok & (kk[None, :] < R)
-                b_ok = b_ok & (kk[None, :] < R) if ROWS_OF_W else b_ok & (kk[:, None] < R)
-            b = tl.load(b_ptr, mask=b_ok, other=0.0)
-            if ROWS_OF_W:
-                b = tl.trans(b)
-            acc = tl.dot(tl.load(a_ptr, mask=a_ok, other=0.0), b, acc, input_precision=PREC)
+                a = tl.load(a_ptr, mask=r_ok[:, None] & (kk[None, :] < R), other=0.0)
+                b = tl.load(b_ptr, mask=c_ok[None, :] & (kk[:, None] < R), other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
             a_ptr += BK
             b_ptr += BK * swr
         tl.store(Y + rows[:, None].to(tl.int64) * C + cols[None, :], acc.to(Y.dtype.element_ty),
@@ -132,8 +124,7 @@ def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: 
     if M:
         cols = triton.cdiv(C, cfg["BN"])
         _gmm_rows[(n * cols,)](x, W, y, tile_e, tile_row, offs, C, R, swe, swc, swr, n, cols,
-                               EVEN_K=R % cfg["BK"] == 0, ROWS_OF_W=not transpose and ROWS_OF_W,
-                               PREC=dot_precision(x), **cfg)
+                               EVEN_K=R % cfg["BK"] == 0, PREC=dot_precision(x), **cfg)
     return y
 
 
