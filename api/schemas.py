@@ -27,7 +27,7 @@ class MemorySettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     recompute: Literal["none", "full", "selective"] = "none"
     cache_ops: list[Literal["mm", "bmm", "grouped_mm", "attention", "kernels"]] = Field(
-        ["mm", "grouped_mm", "kernels"], max_length=5)
+        ["kernels"], max_length=5)
     tier: Literal["device", "host", "auto"] = "device"
     quantize: Literal["none", "fp8", "int8"] = "none"
     device_budget_mb: Annotated[float, Field(ge=0)] | None = Field(None, description="tier auto: device memory the cache may hold")

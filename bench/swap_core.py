@@ -28,19 +28,20 @@ from engine.memory import apply_swap_core
 from engine.model.hybrid import HybridForCausalLM
 from engine.spec import LoraSpec, MemorySpec
 
+ALL = ["mm", "grouped_mm", "kernels"]  # "swap core": the matmuls (a dispatch mode) and the kernels
 MODES = {
     "no recompute": MemorySpec(),
     "no recompute, again": MemorySpec(),  # the run-to-run noise of the gradients
     "full recompute": MemorySpec(recompute="full"),
-    "swap core, device": MemorySpec(recompute="selective", tier="device"),
-    "swap core, host": MemorySpec(recompute="selective", tier="host"),
-    "swap core, host, int8": MemorySpec(recompute="selective", tier="host", quantize="int8"),
-    "swap core, host, fp8": MemorySpec(recompute="selective", tier="host", quantize="fp8"),
-    "swap core, device, fp8": MemorySpec(recompute="selective", tier="device", quantize="fp8"),
+    "swap core, device": MemorySpec(recompute="selective", cache_ops=ALL, tier="device"),
+    "swap core, host": MemorySpec(recompute="selective", cache_ops=ALL, tier="host"),
+    "swap core, host, int8": MemorySpec(recompute="selective", cache_ops=ALL, tier="host", quantize="int8"),
+    "swap core, host, fp8": MemorySpec(recompute="selective", cache_ops=ALL, tier="host", quantize="fp8"),
+    "swap core, device, fp8": MemorySpec(recompute="selective", cache_ops=ALL, tier="device", quantize="fp8"),
     # the MLPs alone recomputed: the attention blocks (KDA, DSA) keep their activations
     "full recompute, MLPs": MemorySpec(recompute="full", blocks=["mlp"]),
-    "swap core, device, MLPs": MemorySpec(recompute="selective", tier="device", blocks=["mlp"]),
-    "swap core, host, MLPs": MemorySpec(recompute="selective", tier="host", blocks=["mlp"]),
+    "swap core, device, MLPs": MemorySpec(recompute="selective", cache_ops=ALL, tier="device", blocks=["mlp"]),
+    "swap core, host, MLPs": MemorySpec(recompute="selective", cache_ops=ALL, tier="host", blocks=["mlp"]),
     # only the kernels' forwards kept (no dispatch mode): little memory for their recompute time
     "swap core, device, kernels": MemorySpec(recompute="selective", cache_ops=["kernels"]),
     "swap core, host, kernels": MemorySpec(recompute="selective", tier="host", cache_ops=["kernels"]),

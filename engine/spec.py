@@ -27,13 +27,14 @@ class LoraSpec:
 class MemorySpec:
     """Swap Core (engine/memory/swap_core.py): what the backward recomputes and where kept
     activations live. ``recompute``: none | full (each attention and MLP block recomputed) |
-    selective (the outputs of ``cache_ops`` kept, the rest recomputed). ``tier``: device | host
+    selective (the outputs of ``cache_ops`` kept, the rest recomputed; default the Triton kernels'
+    forwards, the fastest on the H200 per byte kept). ``tier``: device | host
     (pinned, async copies) | auto (device up to ``device_budget_mb``, then host). ``quantize``:
     none | fp8 | int8: keep 16-bit outputs in one byte an element with a scale per 32.
     ``blocks``: which sublayers of each decoder layer are recomputed (attention, mlp); the others
     keep their activations as without recompute."""
     recompute: Literal["none", "full", "selective"] = "none"
-    cache_ops: list[str] = field(default_factory=lambda: ["mm", "grouped_mm", "kernels"])
+    cache_ops: list[str] = field(default_factory=lambda: ["kernels"])
     tier: Literal["device", "host", "auto"] = "device"
     quantize: Literal["none", "fp8", "int8"] = "none"
     device_budget_mb: float | None = None  # tier auto: device bytes the cache may hold

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.swap_core import bench_config, build, rel_err, unwrap
+from bench.swap_core import ALL, bench_config, build, rel_err, unwrap
 from engine.memory import apply_swap_core
 from engine.spec import MemorySpec
 
@@ -47,10 +47,10 @@ def test_swap_core_on_cuda(deterministic):
     ref, peak_none, _ = step(model, ids, MemorySpec())
     again, _, _ = step(model, ids, MemorySpec())
     assert all(torch.equal(ref[n], again[n]) for n in ref)  # the model itself is deterministic here
-    for spec in (MemorySpec(recompute="full"), MemorySpec(recompute="selective"),
-                 MemorySpec(recompute="selective", cache_ops=["kernels"]),
-                 MemorySpec(recompute="selective", tier="host"),
-                 MemorySpec(recompute="selective", tier="auto", device_budget_mb=1.0)):
+    for spec in (MemorySpec(recompute="full"), MemorySpec(recompute="selective"),  # the default: kernels
+                 MemorySpec(recompute="selective", cache_ops=ALL),
+                 MemorySpec(recompute="selective", cache_ops=ALL, tier="host"),
+                 MemorySpec(recompute="selective", cache_ops=ALL, tier="auto", device_budget_mb=1.0)):
         got, peak, core = step(model, ids, spec)
         for n in ref:
             assert torch.equal(got[n], ref[n]), (spec, n)
@@ -60,6 +60,6 @@ def test_swap_core_on_cuda(deterministic):
         if spec.tier == "auto":
             assert 0 < core.peak["device"] <= 2**20 < core.peak["host"]
     for kind, bound in (("int8", 0.05), ("fp8", 0.1)):
-        got, _, _ = step(model, ids, MemorySpec(recompute="selective", tier="host", quantize=kind))
+        got, _, _ = step(model, ids, MemorySpec(recompute="selective", cache_ops=ALL, tier="host", quantize=kind))
         err = rel_err(got, ref)
         assert 0 < err < bound, (kind, err)

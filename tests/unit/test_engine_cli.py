@@ -19,10 +19,10 @@ def test_train_from_a_yaml_config_then_resume(tmp_path):
     sample = ROOT / "data" / "sample"
     cfg.write_text(f"model: kiln-tiny\ntraining_file: {sample / 'train.jsonl'}\nimages_file: {sample / 'images.zip'}\n"
                    "max_steps: 12\ncheckpoint_interval: 5\nlora: {rank: 4, alpha: 8}\n"
-                   "memory: {recompute: selective, tier: host}\n")
+                   "memory: {recompute: selective, tier: host, cache_ops: [mm, grouped_mm]}\n")
     out = run("train", str(cfg), "--store", str(tmp_path / "store"))
     assert out.returncode == 0, out.stderr
-    assert "Recompute: selective, keeping mm, grouped_mm, kernels outputs on the host tier" in out.stdout
+    assert "Recompute: selective, keeping mm, grouped_mm outputs on the host tier" in out.stdout
     assert "step 10/12 loss" in out.stdout and "checkpoint at step 5" in out.stdout
     adapter = Path(out.stdout.strip().splitlines()[-1].removeprefix("adapter: "))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(zipfile.ZipFile(adapter).namelist())

@@ -19,6 +19,7 @@ from engine.model.hybrid import HybridForCausalLM
 from engine.model.moe import Router
 from engine.spec import LoraSpec, MemorySpec
 
+OPS = ["mm", "grouped_mm", "kernels"]  # matmuls too: on a CPU the kernels' class has nothing to keep
 LORA = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "o_proj", "down_proj", "q_a_proj", "latent_down"],
                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
@@ -59,12 +60,12 @@ def grads(base, spec: MemorySpec, dtype=torch.float32, autocast: bool = False):
 
 
 EXACT = [MemorySpec(recompute="full"),
-         MemorySpec(recompute="selective"),
-         MemorySpec(recompute="selective", tier="host"),
-         MemorySpec(recompute="selective", tier="auto", device_budget_mb=0.05),
-         MemorySpec(recompute="selective", cache_ops=["mm", "bmm", "grouped_mm", "attention"]),
+         MemorySpec(recompute="selective", cache_ops=OPS),
+         MemorySpec(recompute="selective", cache_ops=OPS, tier="host"),
+         MemorySpec(recompute="selective", cache_ops=OPS, tier="auto", device_budget_mb=0.05),
+         MemorySpec(recompute="selective", cache_ops=["mm", "bmm", "grouped_mm", "attention", "kernels"]),
          MemorySpec(recompute="full", blocks=["mlp"]),
-         MemorySpec(recompute="selective", blocks=["attention", "attention"])]
+         MemorySpec(recompute="selective", cache_ops=OPS, blocks=["attention", "attention"])]
 
 
 @pytest.mark.parametrize("spec", EXACT, ids=lambda s: f"{s.recompute}-{s.tier}-{'+'.join(s.cache_ops)}-"
@@ -95,7 +96,7 @@ def test_full_training_is_bit_equal_too(hybrid):
     router's weights take gradients through the recompute as well."""
     base = copy.deepcopy(hybrid).requires_grad_(True)
     _, ref, _ = grads(base, MemorySpec())
-    _, got, _ = grads(base, MemorySpec(recompute="selective", tier="host"))
+    _, got, _ = grads(base, MemorySpec(recompute="selective", cache_ops=OPS, tier="host"))
     assert any("indexer" in n for n in ref) and any("gate.weight" in n for n in ref)
     assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
 
@@ -123,20 +124,20 @@ def backward_calls(base, spec: MemorySpec) -> Counter:
 def test_selective_recompute_skips_the_kept_ops(hybrid):
     none = backward_calls(hybrid, MemorySpec())
     full = backward_calls(hybrid, MemorySpec(recompute="full"))
-    kept = backward_calls(hybrid, MemorySpec(recompute="selective"))
+    kept = backward_calls(hybrid, MemorySpec(recompute="selective", cache_ops=OPS))
     # full recompute runs the blocks' matmuls again; selective hands them back from the cache
     assert full["mm"] > none["mm"] and kept["mm"] == none["mm"]
-    assert kept["bmm"] == full["bmm"] > none["bmm"]  # bmm is not in the default cache_ops: recomputed
+    assert kept["bmm"] == full["bmm"] > none["bmm"]  # bmm is not in OPS: recomputed
     assert full["mul"] > none["mul"] and kept["mul"] == full["mul"]  # the cheap ops run again either way
     # DSA's selection is kept whatever cache_ops says: the recompute attends to the forward's keys
     assert none["indexer_topk"] == kept["indexer_topk"] == 0 < full["indexer_topk"]
 
 
 def test_the_tier_and_budget_decide_where_outputs_live(hybrid):
-    _, _, dev = grads(hybrid, MemorySpec(recompute="selective", tier="device"))
-    _, _, host = grads(hybrid, MemorySpec(recompute="selective", tier="host"))
-    _, _, auto = grads(hybrid, MemorySpec(recompute="selective", tier="auto", device_budget_mb=0.1))
-    _, _, zero = grads(hybrid, MemorySpec(recompute="selective", tier="auto", device_budget_mb=0))
+    _, _, dev = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS, tier="device"))
+    _, _, host = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS, tier="host"))
+    _, _, auto = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS, tier="auto", device_budget_mb=0.1))
+    _, _, zero = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS, tier="auto", device_budget_mb=0))
     total = dev.peak["device"]
     assert dev.peak["host"] == 0 and host.peak == {"device": 0, "host": total}
     assert 0 < auto.peak["device"] <= 0.1 * 2**20 < total and auto.peak["host"] > 0
@@ -157,10 +158,10 @@ def test_quantize_codes_and_error():
 
 
 def test_quantized_caches_are_close_and_half_the_bytes(hybrid):
-    _, ref, exact = grads(hybrid, MemorySpec(recompute="selective"), torch.bfloat16)
+    _, ref, exact = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS), torch.bfloat16)
     errors = {}
     for kind in ("fp8", "int8"):
-        _, got, core = grads(hybrid, MemorySpec(recompute="selective", quantize=kind), torch.bfloat16)
+        _, got, core = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS, quantize=kind), torch.bfloat16)
         errors[kind] = rel_err(got, ref)
         assert all(torch.isfinite(g).all() for g in got.values())
         assert core.peak["device"] < 0.65 * exact.peak["device"]  # 1.125 bytes an element instead of 2
@@ -170,7 +171,7 @@ def test_quantized_caches_are_close_and_half_the_bytes(hybrid):
     assert 0 < errors["int8"] < 1e-2 and errors["int8"] < errors["fp8"] < 0.03, errors
 
 
-@pytest.mark.parametrize("spec", [MemorySpec(recompute="full"), MemorySpec(recompute="selective")],
+@pytest.mark.parametrize("spec", [MemorySpec(recompute="full"), MemorySpec(recompute="selective", cache_ops=OPS)],
                          ids=lambda s: s.recompute)
 def test_gradients_are_bit_equal_under_autocast(hybrid, spec):
     """Under bf16 autocast too. Swap Core's dispatch mode runs a custom op's body outside autocast:
@@ -185,9 +186,9 @@ def test_gradients_are_bit_equal_under_autocast(hybrid, spec):
 def test_quantized_caches_keep_the_routing_under_autocast(hybrid):
     """Seen on the H200: autocast ran the router's fp32 matmul in bf16, the quantized cache then
     changed which experts the recompute chose, and the step failed. The router scores in fp32."""
-    _, ref, _ = grads(hybrid, MemorySpec(recompute="selective"), autocast=True)
+    _, ref, _ = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS), autocast=True)
     for kind, bound in (("int8", 1e-2), ("fp8", 0.03)):  # measured: 0.0058, 0.021
-        _, got, core = grads(hybrid, MemorySpec(recompute="selective", quantize=kind), autocast=True)
+        _, got, core = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS, quantize=kind), autocast=True)
         assert core.live == {"device": 0, "host": 0} and 0 < rel_err(got, ref) < bound
 
 
@@ -200,14 +201,14 @@ def test_quantized_caches_err_far_less_than_bf16_itself(hybrid):
     _, bf16, _ = grads(hybrid, MemorySpec(), autocast=True)
     own = rel_err(bf16, fp32)
     for kind, share in (("int8", 0.2), ("fp8", 0.6)):
-        _, got, _ = grads(hybrid, MemorySpec(recompute="selective", quantize=kind), autocast=True)
+        _, got, _ = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS, quantize=kind), autocast=True)
         assert 0 < rel_err(got, bf16) < share * own, (kind, rel_err(got, bf16), own)
         assert rel_err(got, fp32) < 1.05 * own, (kind, rel_err(got, fp32), own)
 
 
 def test_router_counts_its_load_once(hybrid):
     loads = []
-    for spec in (MemorySpec(), MemorySpec(recompute="full"), MemorySpec(recompute="selective")):
+    for spec in (MemorySpec(), MemorySpec(recompute="full"), MemorySpec(recompute="selective", cache_ops=OPS)):
         model = copy.deepcopy(hybrid).train()
         apply_swap_core(model, spec)
         ids, docs, pos = batch(model.config.vocab_size)
@@ -218,7 +219,7 @@ def test_router_counts_its_load_once(hybrid):
 
 def test_evaluation_keeps_nothing(hybrid):
     model = copy.deepcopy(hybrid).eval()
-    core = apply_swap_core(model, MemorySpec(recompute="selective"))
+    core = apply_swap_core(model, MemorySpec(recompute="selective", cache_ops=OPS))
     ids, docs, pos = batch(model.config.vocab_size)
     with torch.no_grad():
         model(ids, None, docs, pos)
@@ -255,7 +256,7 @@ def test_a_recompute_that_diverges_is_an_error(forward_extra):
     could hand the backward a tensor of the same shape. Swap Core turns that off, so either its
     own order check or torch's count of saved tensors stops the step."""
     block = Branchy()
-    SwapCore(MemorySpec(recompute="selective")).wrap(block)
+    SwapCore(MemorySpec(recompute="selective", cache_ops=OPS)).wrap(block)
     block.extra = forward_extra
     out = block(torch.randn(8, 8))  # square: the extra matmul's tensors look like the first one's
     block.extra = not forward_extra
@@ -265,7 +266,7 @@ def test_a_recompute_that_diverges_is_an_error(forward_extra):
 
 def test_an_in_place_change_of_a_kept_output_is_an_error():
     block = InPlace()
-    SwapCore(MemorySpec(recompute="selective")).wrap(block)
+    SwapCore(MemorySpec(recompute="selective", cache_ops=OPS)).wrap(block)
     with pytest.raises(RuntimeError, match="changed a kept output in place"):
         block(torch.randn(4, 8))
 
@@ -300,7 +301,7 @@ def test_a_job_trains_the_same_with_swap_core(tmp_path):
         return rec
 
     plain = job(MemorySpec())
-    swapped = job(MemorySpec(recompute="selective", tier="host"))
+    swapped = job(MemorySpec(recompute="selective", cache_ops=OPS, tier="host"))
     assert swapped.losses == plain.losses and len(plain.losses) == 3
     assert "Recompute: selective, keeping mm, grouped_mm, kernels outputs on the host tier" in swapped.messages
     assert swapped.steps[3]["swap_host_mb"] > 0 and swapped.steps[3]["swap_device_mb"] == 0
