@@ -132,8 +132,11 @@ def store_frozen(model: nn.Module, dtype: torch.dtype) -> int:
     the bytes saved. Autocast casts a weight at every use unless it requires grad (only those are
     cached): a frozen fp32 base is cast in every forward, again in every recompute, and kept in
     twice the memory. The products are the same: the stored weight is what the cast gave. Not for
-    ``merge`` (folding B A into a bf16 weight and out again loses bits)."""
+    ``merge`` (folding B A into a bf16 weight and out again loses bits). A module's
+    ``weights_read`` names sublayers whose weights it reads as matrices: those stay as they are."""
     saved = 0
+    read = {id(t) for m in model.modules() for name in getattr(m, "weights_read", ())
+            for t in getattr(m, name).parameters()}
     for mname, m in model.named_modules():
         if isinstance(m, (nn.Linear, nn.Conv1d)):
             params = [m.weight, m.bias]
@@ -142,7 +145,8 @@ def store_frozen(model: nn.Module, dtype: torch.dtype) -> int:
         else:
             continue
         for t in params:
-            if isinstance(t, nn.Parameter) and not t.requires_grad and t.is_floating_point() and t.dtype != dtype:
+            if (isinstance(t, nn.Parameter) and not t.requires_grad and t.is_floating_point() and t.dtype != dtype
+                    and id(t) not in read):
                 saved += t.numel() * (t.element_size() - torch.finfo(dtype).bits // 8)
                 t.data = t.data.to(dtype)
     return saved

@@ -69,6 +69,10 @@ class Indexer(nn.Module):
 
 
 class GatedDSAttention(nn.Module):
+    # read as matrices (``_absorbed``: W + B A, then one bf16 cast), not only through their
+    # forward: engine.lora.store_frozen leaves them in fp32, where that sum rounds once
+    weights_read = ("kv_b_proj",)
+
     def __init__(self, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope: int, qk_rope: int,
                  v_dim: int, index_heads: int, index_head_dim: int, index_topk: int, rope_theta: float = 10000.0,
                  eps: float = 1e-6, gated: bool = True, rope: bool = True):

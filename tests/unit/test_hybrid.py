@@ -114,14 +114,15 @@ def test_a_bf16_frozen_base_trains_as_the_fp32_one_under_autocast():
     """store_frozen keeps the frozen matmul weights (linear, conv, experts) in bf16: under bf16
     autocast the loss and every LoRA gradient are bit-equal to the fp32 base's (autocast gave the
     matmuls those very bf16 values), the weights take half the memory, and what autocast does not
-    cast (norms, gates, the router, embeddings, the factors) stays fp32."""
+    cast (norms, gates, the router, embeddings, the factors) stays fp32, and so does a weight a
+    module reads as a matrix (DSA's absorbed kv_b_proj, with LoRA on it here)."""
     import copy
 
     from engine.lora import store_frozen
 
     c = ModelConfig.debug(vocab_size=512)
     base = build(c, dtype=torch.float32)
-    apply_lora(base, LoraSpec(rank=4, target_modules=["q_proj", "o_proj", "latent_down", "down_proj"],
+    apply_lora(base, LoraSpec(rank=4, target_modules=["q_proj", "o_proj", "latent_down", "down_proj", "kv_b_proj"],
                               target_parameters=["mlp.experts.gate_up_proj"]))
     with torch.no_grad():
         for n, p in base.named_parameters():
@@ -134,7 +135,8 @@ def test_a_bf16_frozen_base_trains_as_the_fp32_one_under_autocast():
     dtypes = {n: p.dtype for n, p in small.named_parameters()}
     assert dtypes["layers.0.self_attn.q_proj.base.weight"] == dtypes["layers.1.mlp.experts.down_proj"] == torch.bfloat16
     assert dtypes["layers.0.self_attn.conv1d.weight"] == torch.bfloat16
-    keep32 = [n for n in dtypes if "norm" in n or "lora" in n or "embed_tokens" in n or n.endswith("gate.weight")]
+    keep32 = [n for n in dtypes if "norm" in n or "lora" in n or "embed_tokens" in n or n.endswith("gate.weight")
+              or "kv_b_proj" in n]  # DSA reads kv_b_proj's weight as a matrix (MLA absorbed): left as it is
     assert keep32 and all(dtypes[n] == torch.float32 for n in keep32)
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(3))
     got = {}
@@ -149,3 +151,4 @@ def test_a_bf16_frozen_base_trains_as_the_fp32_one_under_autocast():
     for n, g in got["fp32"][1].items():
         assert g is not None and g.abs().sum() > 0, n
         assert torch.equal(g, got["bf16"][1][n]), n
+
