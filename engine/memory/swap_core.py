@@ -301,12 +301,22 @@ class _Phase:
     def __init__(self, core: SwapCore, frame: _Frame):
         self.core, self.frame = core, frame
         self._hook = self._mode = None
+        self.inside = False  # in a kept call's own work: the dispatch mode keeps none of its ops
 
     def op(self, key, run, exact: bool):
         raise NotImplementedError
 
     def call(self, name: str, run):
-        return self.op(name, run, exact=True) if name in self.core.calls else run()
+        if name not in self.core.calls:
+            return run()
+
+        def whole():  # the recompute hands the call back whole: its ops, kept apart, would be left over
+            before, self.inside = self.inside, True
+            try:
+                return run()
+            finally:
+                self.inside = before
+        return self.op(name, whole, exact=True)
 
     def __enter__(self):
         self._hook = keeping(self.call)
@@ -331,7 +341,7 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.overloadpacket not in self.phase.core.ops:  # most ops: as cheap as this mode gets
+        if self.phase.inside or func.overloadpacket not in self.phase.core.ops:  # most ops: straight through
             return func(*args, **kwargs)
         return self.phase.op(func, lambda: func(*args, **kwargs), exact=False)
 

@@ -271,6 +271,38 @@ def test_an_in_place_change_of_a_kept_output_is_an_error():
         block(torch.randn(4, 8))
 
 
+class KeptCall(torch.nn.Module):
+    """A block whose kernel-like call (kept by name) computes with a matmul inside, then one more
+    matmul outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        from kernels.dispatch import kept
+
+        h = self.a(x)
+        inner = kept("kda", lambda: (h.detach() @ h.detach().T).tanh())  # a kernel's forward: no autograd
+        return self.b(h * inner.sum(-1, keepdim=True))
+
+
+def test_a_kept_call_is_kept_whole_not_its_ops_too():
+    """The dispatch mode keeps none of a kept call's own ops: the recompute hands the call back
+    whole and never runs them, so kept apart they would be left over (an error)."""
+    torch.manual_seed(0)
+    block, x = KeptCall(), torch.randn(4, 8, requires_grad=True)
+    block(x).sum().backward()
+    want = [t.grad.clone() for t in (x, *block.parameters())]
+    for t in (x, *block.parameters()):
+        t.grad = None
+    core = SwapCore(MemorySpec(recompute="selective", cache_ops=["mm", "kernels"]))
+    core.wrap(block)
+    block(x).sum().backward()
+    assert all(torch.equal(t.grad, w) for t, w in zip((x, *block.parameters()), want))
+    assert core.peak["device"] > 0 and core.live["device"] == 0
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("recompute", "some", "memory.recompute"), ("tier", "disk", "memory.tier"), ("quantize", "fp4", "memory.quantize"),
     ("cache_ops", ["mm", "conv"], "unknown op class"), ("device_budget_mb", -1.0, "device_budget_mb"),
