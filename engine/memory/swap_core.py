@@ -48,7 +48,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import defaultdict, deque
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -300,7 +300,7 @@ class _Phase:
 
     def __init__(self, core: SwapCore, frame: _Frame):
         self.core, self.frame = core, frame
-        self._hook = self._mode = None
+        self._entered = ExitStack()  # the hook, and the dispatch mode if any
         self.inside = False  # in a kept call's own work: the dispatch mode keeps none of its ops
 
     def op(self, key, run, exact: bool):
@@ -319,17 +319,13 @@ class _Phase:
         return self.op(name, whole, exact=True)
 
     def __enter__(self):
-        self._hook = keeping(self.call)
-        self._hook.__enter__()
+        self._entered.enter_context(keeping(self.call))
         if self.core.ops:
-            self._mode = _Ops(self)
-            self._mode.__enter__()
+            self._entered.enter_context(_Ops(self))
         return self
 
     def __exit__(self, *exc):
-        if self._mode is not None:
-            self._mode.__exit__(*exc)
-        self._hook.__exit__(None, None, None)
+        self._entered.close()
 
 
 class _Ops(TorchDispatchMode):
