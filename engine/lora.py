@@ -17,10 +17,38 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 
 from engine.spec import LoraSpec
+from kernels.dispatch import kept
 
 PEFT_PREFIX = "base_model.model."
+
+
+def frozen_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, b)`` for a frozen W and b, cast as autocast casts it: the same product and
+    the same dx = dy W, through one autograd Function. It saves no activation, and its product goes
+    through ``kernels.dispatch.kept`` as "projection": Swap Core can keep it (``cache_ops:
+    projections``) with no dispatch mode, and the recompute then skips the matmul."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dt = torch.get_autocast_dtype(device)
+        x, W, b = (t.to(dt) if t is not None and t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t
+                   for t in (x, W, b))
+    with torch.autocast(device, enabled=False):
+        return _FrozenLinear.apply(x, W, b)
+
+
+class _FrozenLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(W)
+        return kept("projection", lambda: F.linear(x, W, b))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (W,) = ctx.saved_tensors  # as aten's mm backward: [N, out] x [out, in], then the input's shape
+        return dy.reshape(-1, dy.shape[-1]).mm(W).view(*dy.shape[:-1], W.shape[1]), None, None
 
 
 class LoRALinear(nn.Module):
@@ -39,7 +67,8 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        W, b = self.base.weight, self.base.bias
+        y = self.base(x) if W.requires_grad or b is not None and b.requires_grad else frozen_linear(x, W, b)
         if self.merged:
             return y
         low = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)))

@@ -50,6 +50,7 @@ def test_swap_core_on_cuda(deterministic):
     for spec in (MemorySpec(recompute="full"), MemorySpec(recompute="selective"),  # the default: kernels
                  MemorySpec(recompute="selective", cache_ops=ALL),
                  MemorySpec(recompute="selective", cache_ops=ALL, tier="host"),
+                 MemorySpec(recompute="selective", cache_ops=["kernels", "projections"], tier="host"),
                  MemorySpec(recompute="selective", cache_ops=ALL, tier="auto", device_budget_mb=1.0)):
         got, peak, core = step(model, ids, spec)
         for n in ref:

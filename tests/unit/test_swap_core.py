@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.swap_core import rel_err
 from engine.config import ModelConfig
-from engine.lora import apply_lora
+from engine.lora import LoRALinear, apply_lora, frozen_linear
 from engine.memory import apply_swap_core
 from engine.memory.swap_core import SwapCore, quantize
 from engine.model.hybrid import HybridForCausalLM
@@ -64,6 +64,8 @@ EXACT = [MemorySpec(recompute="full"),
          MemorySpec(recompute="selective", cache_ops=OPS, tier="host"),
          MemorySpec(recompute="selective", cache_ops=OPS, tier="auto", device_budget_mb=0.05),
          MemorySpec(recompute="selective", cache_ops=["mm", "bmm", "grouped_mm", "attention", "kernels"]),
+         MemorySpec(recompute="selective", cache_ops=["projections"]),
+         MemorySpec(recompute="selective", cache_ops=["projections", "mm"], tier="host"),
          MemorySpec(recompute="full", blocks=["mlp"]),
          MemorySpec(recompute="selective", cache_ops=OPS, blocks=["attention", "attention"])]
 
@@ -133,6 +135,49 @@ def test_selective_recompute_skips_the_kept_ops(hybrid):
     assert none["indexer_topk"] == kept["indexer_topk"] == 0 < full["indexer_topk"]
 
 
+def test_kept_projections_skip_their_base_products_only(hybrid):
+    """``projections``: each LoRA projection's frozen product is handed back in the recompute (one
+    matmul fewer per call), its LoRA factors' products run again, and no dispatch mode is needed."""
+    model = copy.deepcopy(hybrid)
+    calls = []
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.register_forward_hook(lambda *_: calls.append(1))
+    model(*batch(model.config.vocab_size)[:1])
+    full = backward_calls(hybrid, MemorySpec(recompute="full"))
+    kept = backward_calls(hybrid, MemorySpec(recompute="selective", cache_ops=["projections"]))
+    matmuls = lambda c: c["mm"] + c["addmm"]  # noqa: E731
+    assert len(calls) > 10 and matmuls(full) - matmuls(kept) == len(calls)
+    assert kept["mul"] == full["mul"] and kept["bmm"] == full["bmm"]  # the rest is recomputed
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_frozen_linear_is_f_linear(autocast, bias):
+    """The Function around a frozen base product gives F.linear's output and input gradient bit
+    for bit, cast as autocast casts (fp32 input, fp32 or bf16 weight); a trainable base still
+    trains (LoRALinear keeps the plain path for it)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 16, generator=g)
+    W = torch.randn(24, 16, generator=g) * 0.3
+    b = torch.randn(24, generator=g) if bias else None
+    dy = torch.randn(2, 5, 24, generator=g)
+    outs = []
+    for f in (torch.nn.functional.linear, frozen_linear):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = f(xi, W, b)
+        y.backward(dy.to(y.dtype))
+        outs.append((y, xi.grad))
+    (y0, dx0), (y1, dx1) = outs
+    assert y1.dtype == y0.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert torch.equal(y1, y0) and torch.equal(dx1, dx0) and dx0.abs().sum() > 0
+    layer = LoRALinear(torch.nn.Linear(16, 24), rank=4, alpha=8, dropout=0.0)
+    layer.base.requires_grad_(True)
+    layer(x).sum().backward()
+    assert layer.base.weight.grad is not None and layer.base.weight.grad.abs().sum() > 0
+
+
 def test_the_tier_and_budget_decide_where_outputs_live(hybrid):
     _, _, dev = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS, tier="device"))
     _, _, host = grads(hybrid, MemorySpec(recompute="selective", cache_ops=OPS, tier="host"))
@@ -171,8 +216,9 @@ def test_quantized_caches_are_close_and_half_the_bytes(hybrid):
     assert 0 < errors["int8"] < 1e-2 and errors["int8"] < errors["fp8"] < 0.03, errors
 
 
-@pytest.mark.parametrize("spec", [MemorySpec(recompute="full"), MemorySpec(recompute="selective", cache_ops=OPS)],
-                         ids=lambda s: s.recompute)
+@pytest.mark.parametrize("spec", [MemorySpec(recompute="full"), MemorySpec(recompute="selective", cache_ops=OPS),
+                                  MemorySpec(recompute="selective", cache_ops=["projections"])],
+                         ids=lambda s: f"{s.recompute}-{'+'.join(s.cache_ops)}")
 def test_gradients_are_bit_equal_under_autocast(hybrid, spec):
     """Under bf16 autocast too. Swap Core's dispatch mode runs a custom op's body outside autocast:
     DSA's reference top-k scored its keys with bf16 matmuls without the mode and fp32 ones with it,
