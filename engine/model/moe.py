@@ -40,6 +40,14 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 
+def counts_of(sorted_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each id of 0..n-1 occurs in a sorted 1-D tensor, [n] int64: bincount without a
+    host sync (CUDA's bincount reads the largest id back to size its output, and the queue of
+    kernels ran dry at every MoE forward and recompute)."""
+    edges = torch.arange(n + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, edges).diff()
+
+
 class Router(nn.Module):
     """Sigmoid scores; the bias (aux-loss-free balancing) only chooses, the scores weigh."""
 
@@ -61,7 +69,7 @@ class Router(nn.Module):
             choice = choice.masked_fill(~keep.repeat_interleave(self.E // self.groups, 1), float("-inf"))
         idx = choice.topk(self.k, -1, sorted=False)[1]
         if self.training and not recomputing():  # tokens per expert since the last balancing update
-            counts = torch.bincount(idx.flatten(), minlength=self.E)
+            counts = counts_of(idx.flatten().sort()[0], self.E)
             self.load = counts if self.load is None else self.load + counts
         w = scores.gather(1, idx)
         if self.renorm:
@@ -103,7 +111,7 @@ class Experts(nn.Module):
         flat = idx_NK.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // idx_NK.shape[1]
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        counts = counts_of(flat[order], self.gate_up_proj.shape[0])
         if fast(x_ND):  # Triton: each token sums its k rows in one program (no atomics)
             from kernels.moe import triton as moe_kernels
 

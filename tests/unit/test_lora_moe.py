@@ -1,12 +1,13 @@
-"""LoRA merge/unmerge in place, its output dtype under autocast, and the aux-loss-free router
-balancing."""
+"""LoRA merge/unmerge in place, its output dtype under autocast, the aux-loss-free router
+balancing and the experts' row counts."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.lora import LoRALinear, apply_lora, merge, unmerge
 from engine.model.kimi_linear import KimiLinearForCausalLM
-from engine.model.moe import Router
+from engine.model.moe import Router, counts_of
 from engine.models import init_kimi_linear, kimi_linear_tiny_config
 from engine.spec import LoraSpec
 from tests.tolerance import rel
@@ -80,3 +81,11 @@ def test_bias_balancing_evens_out_expert_load():
     last, load = spread()
     assert last < first / 2, (first, last, load)
     assert abs(float(router.e_score_correction_bias.mean())) < 1e-6  # mean-free updates
+
+
+@pytest.mark.parametrize("n,size", [(8, 1000), (64, 37), (5, 0)])
+def test_counts_of_sorted_ids_is_bincount(n, size):
+    """The experts' row counts without bincount's host sync: the same counts, absent ids 0."""
+    ids = torch.randint(0, n - 1, (size,), generator=torch.Generator().manual_seed(size))  # id n-1 never drawn
+    got = counts_of(ids.sort()[0], n)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.bincount(ids, minlength=n)) and got[-1] == 0
