@@ -19,7 +19,8 @@ recomputed from the block's inputs in the backward.
   backward needs only W), ~5 µs of recompute per MB at 4096 wide: for the host tier, where
   bytes cost copy bandwidth, not device memory. Where a kept output lives is the ``tier``:
   ``device`` (device memory), ``host`` (pinned host memory: copied out on a side stream as the
-  forward goes, and brought back one block ahead of the backward, so copies overlap compute) or
+  forward goes, one block late so that the forward's last block, the backward's first, stays
+  on the device; brought back one block ahead of the backward, so copies overlap compute) or
   ``auto`` (device memory while the cache's live device bytes stay under ``device_budget_mb``,
   host memory beyond).
 - ``quantize``: 16-bit outputs (bf16 under autocast) are kept in one byte an element with an
@@ -163,6 +164,7 @@ class SwapCore:
         self.live = {"device": 0, "host": 0}  # bytes kept now
         self.peak = {"device": 0, "host": 0}  # the most kept at once since reset_peaks()
         self._stream: torch.cuda.Stream | None = None
+        self.outgoing: list[_Kept] = []  # host-tier outputs of the latest block, still on the device
 
     # -- the blocks -------------------------------------------------------------------------
     def wrap(self, module: nn.Module) -> None:
@@ -185,6 +187,7 @@ class SwapCore:
     def _contexts(self):
         if not self.calls:  # full recompute: nothing to keep, only the recompute flag
             return nullcontext(), _flag_recompute()
+        self.send_out()
         frame = _Frame()
         self.frames.append(weakref.ref(frame))
         return _Keep(self, frame), _Reuse(self, frame)
@@ -216,10 +219,21 @@ class SwapCore:
             data, scale = quantize(data, self.spec.quantize)
         nbytes = data.numel() * data.element_size() + (scale.numel() * 4 if scale is not None else 0)
         tier = self._tier(nbytes)
-        if tier == "host" and x.is_cuda:
-            data, scale = self._to_host(data), self._to_host(scale) if scale is not None else None
         self._count(tier, nbytes)
-        return _Kept(data, scale, x.shape, x.dtype, x.device, tier, nbytes, x._version, alias=x)
+        k = _Kept(data, scale, x.shape, x.dtype, x.device, tier, nbytes, x._version, alias=x)
+        if tier == "host" and x.is_cuda:
+            self.outgoing.append(k)  # copied out when the next block starts (see send_out)
+        return k
+
+    def send_out(self) -> None:
+        """Start the host copies of what the blocks before kept. One block late: the last block of
+        the forward is the first one the backward recomputes, and its outputs never leave the
+        device (copied out and back, they would stall the backward's start)."""
+        for k in self.outgoing:
+            k.data = self._to_host(k.data)
+            if k.scale_N1 is not None:
+                k.scale_N1 = self._to_host(k.scale_N1)
+        self.outgoing.clear()
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A pinned host copy, made on the side stream after the compute that wrote ``t``."""
@@ -236,7 +250,7 @@ class SwapCore:
         if frame.fetched:
             return
         frame.fetched = True
-        todo = [k for k in frame.leaves() if k.tier == "host" and k.device.type == "cuda"]
+        todo = [k for k in frame.leaves() if k.tier == "host" and k.data.device != k.device]
         if not todo:
             return
         s = self.stream()  # the copies out were queued on this stream too: they come first
@@ -370,6 +384,7 @@ class _Reuse(_Phase):
         if self.frame.kept is None:
             raise RuntimeError("Swap Core: a block was recomputed twice (a second backward through one graph)")
         _recomputing += 1
+        self.core.outgoing.clear()  # the backward has begun: the latest block stays on the device
         self.core.fetch(self.frame)
         nxt = self.core.next_to_recompute(self.frame)
         if nxt is not None:

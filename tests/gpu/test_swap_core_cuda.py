@@ -64,3 +64,18 @@ def test_swap_core_on_cuda(deterministic):
         got, _, _ = step(model, ids, MemorySpec(recompute="selective", cache_ops=ALL, tier="host", quantize=kind))
         err = rel_err(got, ref)
         assert 0 < err < bound, (kind, err)
+
+
+def test_the_host_tier_sends_out_all_but_the_last_block():
+    """The forward's last block is the backward's first: its kept outputs stay on the device, every
+    other block's are in host memory by the backward, and all come back (nothing left kept)."""
+    c, _ = bench_config("debug")
+    model = build(c, torch.device("cuda"))
+    core = apply_swap_core(model, MemorySpec(recompute="selective", cache_ops=["kernels", "projections"], tier="host"))
+    ids = torch.randint(0, c.vocab_size, (1, 256), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(ids)
+    where = [{k.data.device.type for k in r().leaves()} for r in core.frames]
+    assert len(where) == 2 * c.layers and where[-1] == {"cuda"} and all(w == {"cpu"} for w in where[:-1]), where
+    logits.float().logsumexp(-1).mean().backward()
+    assert core.live == {"device": 0, "host": 0} and not core.outgoing
