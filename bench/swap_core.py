@@ -18,6 +18,8 @@ import json
 import os
 import statistics
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -182,6 +184,16 @@ def profile(model, name: str, ids, device) -> None:
           f"{sum(e.count for e in events)} ops")
     print(events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
                        row_limit=30, max_name_column_width=48))
+    if device.type == "cuda":  # where the host waited for the device, by the line that asked
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step(model, opt, ids, device)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+        print(f"host syncs in a step: {sum(where.values())} ({', '.join(f'{k} x{v}' for k, v in where.most_common(12))})")
     waits = sorted((e for e in events if e.key.startswith("cuda") and "Sync" in e.key or "Memcpy" in e.key),
                    key=lambda e: -e.self_cpu_time_total)
     print("host waits: " + ", ".join(f"{e.key} x{e.count} {e.self_cpu_time_total / 1e3:.1f} ms" for e in waits))
