@@ -71,9 +71,10 @@ class LoRALinear(nn.Module):
         y = self.base(x) if W.requires_grad or b is not None and b.requires_grad else frozen_linear(x, W, b)
         if self.merged:
             return y
-        low = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)))
-        return y + (low * self.scaling).to(y.dtype)  # the base layer's dtype: bf16 under autocast, even
-        # for fp32 inputs (an fp32 sum here sent the attention kernels fp32, 10x slower, on the H200)
+        # scaled at rank r, not at the output's width (a power-of-two scaling gives the same bits)
+        low = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)) * self.scaling)
+        return y + low.to(y.dtype)  # the base layer's dtype: bf16 under autocast, even for fp32
+        # inputs (an fp32 sum here sent the attention kernels fp32, 10x slower, on the H200)
 
     merged = False
 

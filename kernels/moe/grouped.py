@@ -39,7 +39,7 @@ def mlp(gmm: Callable, x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID:
             y = gmm(h, W, offs)
             if name in lora:
                 A, B = lora[name]
-                y = y + gmm(gmm(h, A, offs), B, offs) * scaling
+                y = y + gmm(gmm(h, A, offs) * scaling, B, offs)  # scaled at rank r: M x r, not M x N
             return y
 
         gate, up = proj("gate_up_proj", gate_up_E2ID, x).chunk(2, -1)
