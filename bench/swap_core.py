@@ -14,6 +14,7 @@ Writes bench/results/swap_core.json.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -146,18 +147,25 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        sync(device)
-        t0 = time.perf_counter()
-        step(model, opt, ids, device)
-        sync(device)
-        times.append(time.perf_counter() - t0)
+    times, collecting = [], []
+
+    def collector(phase, _):  # Python's own pauses inside the timed steps
+        collecting.append(time.perf_counter() if phase == "start" else time.perf_counter() - collecting.pop())
+    gc.callbacks.append(collector)
+    try:
+        for _ in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            step(model, opt, ids, device)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.callbacks.remove(collector)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     with torch.no_grad():
         for p, s in zip(trainable, saved):
             p.copy_(s)
-    out = {"step_s": statistics.median(times), "times_s": times, "peak_gib": peak,
+    out = {"step_s": statistics.median(times), "times_s": times, "gc_s": sum(collecting), "peak_gib": peak,
            "kept_device_gib": core.peak["device"] / 2**30 if core else 0.0,
            "kept_host_gib": core.peak["host"] / 2**30 if core else 0.0}
     if ref is not None:
@@ -225,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = args.tokens or tokens
     weights = args.base if device.type == "cuda" else "fp32"
     model = build(cfg, device, weights)
+    gc.collect()
+    gc.freeze()  # as engine.trainer does before its loop: no full collection stalls a step
     ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
     results, ref = {}, None
     for name in ["no recompute"] + [m for m in args.modes if m != "no recompute"]:

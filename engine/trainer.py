@@ -6,6 +6,7 @@ the same steps the uninterrupted run would have made.
 """
 from __future__ import annotations
 
+import gc
 import math
 import resource
 import tempfile
@@ -260,9 +261,15 @@ def _close(*datasets: Dataset) -> None:
 
 def train(spec: JobSpec, store: Store, reporter: Reporter, mesh=None) -> TrainResult:
     """Train as ``spec`` says. With ``mesh`` (engine.parallel.mesh.Mesh, under torchrun) every rank
-    calls this; only rank 0's reporter is heard, and rank 0's answer to ``should_stop`` holds for all."""
+    calls this; only rank 0's reporter is heard, and rank 0's answer to ``should_stop`` holds for all.
+    The objects alive when the loop starts (model, data, optimizer) are frozen out of Python's
+    cyclic collector, whose full passes over them otherwise land inside some steps and stall
+    them; a worker runs many jobs, so they are unfrozen when the job ends."""
     with tempfile.TemporaryDirectory(prefix="kiln-job-") as work:
-        return _train(spec, store, reporter, Path(work), mesh)
+        try:
+            return _train(spec, store, reporter, Path(work), mesh)
+        finally:
+            gc.unfreeze()
 
 
 def _stop_reason(reporter: Reporter, mesh) -> str | None:
@@ -349,6 +356,8 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path, mesh=Non
 
     pad, metrics, skipped = tpl.pad_id, {}, 0
     order: tuple[int, list[list[int]]] = (-1, [])
+    gc.collect()
+    gc.freeze()  # see train
     while step < hp.total_steps:
         reason = _stop_reason(reporter, mesh)
         if reason:
