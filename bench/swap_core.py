@@ -52,8 +52,11 @@ MODES = {
     "swap core, device, kernels+proj": MemorySpec(recompute="selective", cache_ops=["kernels", "projections"]),
     "swap core, host, kernels+proj": MemorySpec(recompute="selective", tier="host",
                                                 cache_ops=["kernels", "projections"]),
+    # the device for the last 700 (500) MB of the forward's kept outputs, the host before them
     "swap core, auto, kernels+proj": MemorySpec(recompute="selective", tier="auto", device_budget_mb=700,
                                                 cache_ops=["kernels", "projections"]),
+    "swap core, auto 500, kernels+proj": MemorySpec(recompute="selective", tier="auto", device_budget_mb=500,
+                                                    cache_ops=["kernels", "projections"]),
 }
 BASELINE = "full recompute"
 

@@ -21,8 +21,8 @@ recomputed from the block's inputs in the backward.
   ``device`` (device memory), ``host`` (pinned host memory: copied out on a side stream as the
   forward goes, one block late so that the forward's last block, the backward's first, stays
   on the device; brought back one block ahead of the backward, so copies overlap compute) or
-  ``auto`` (device memory while the cache's live device bytes stay under ``device_budget_mb``,
-  host memory beyond).
+  ``auto`` (device memory for the last ``device_budget_mb`` of each forward's kept outputs, as
+  many as the forward before kept, and host memory before them).
 - ``quantize``: 16-bit outputs (bf16 under autocast) are kept in one byte an element with an
   fp32 scale per block of 32 along the last dim (per row when it does not divide): ``fp8``
   (float8 e4m3) or ``int8`` (absmax). 1.125 bytes an element instead of 2. fp32 outputs (router
@@ -165,6 +165,9 @@ class SwapCore:
         self.peak = {"device": 0, "host": 0}  # the most kept at once since reset_peaks()
         self._stream: torch.cuda.Stream | None = None
         self.outgoing: list[_Kept] = []  # host-tier outputs of the latest block, still on the device
+        self.sent = 0  # bytes kept so far in this forward
+        self.per_forward: int | None = None  # bytes the last whole forward kept (tier auto's plan)
+        self.backward = False  # a backward has begun since the last forward
 
     # -- the blocks -------------------------------------------------------------------------
     def wrap(self, module: nn.Module) -> None:
@@ -187,6 +190,8 @@ class SwapCore:
     def _contexts(self):
         if not self.calls:  # full recompute: nothing to keep, only the recompute flag
             return nullcontext(), _flag_recompute()
+        if self.backward:  # a new forward: the one before kept this many bytes
+            self.per_forward, self.sent, self.backward = self.sent, 0, False
         self.send_out()
         frame = _Frame()
         self.frames.append(weakref.ref(frame))
@@ -206,9 +211,16 @@ class SwapCore:
         self.peak[tier] = max(self.peak[tier], self.live[tier])
 
     def _tier(self, nbytes: int) -> str:
-        if self.spec.tier == "auto":
-            return "device" if self.live["device"] + nbytes <= self.budget else "host"
-        return self.spec.tier
+        """``auto``: the device for the forward's last ``budget`` bytes (as many as the forward before
+        kept; the first forward fills the device first), the host before them. The last blocks are
+        the backward's first: they would have no time to go out and come back, while the first
+        ones' copies overlap the rest of the forward and come back ahead of their recompute."""
+        if self.spec.tier != "auto":
+            return self.spec.tier
+        if self.live["device"] + nbytes > self.budget:
+            return "host"
+        late = self.per_forward is None or self.sent >= self.per_forward - self.budget
+        return "device" if late else "host"
 
     def keep(self, x: torch.Tensor, exact: bool = False) -> _Kept:
         """Store a forward output (called inside the op dispatch or a kernel's forward: no autograd
@@ -219,6 +231,7 @@ class SwapCore:
             data, scale = quantize(data, self.spec.quantize)
         nbytes = data.numel() * data.element_size() + (scale.numel() * 4 if scale is not None else 0)
         tier = self._tier(nbytes)
+        self.sent += nbytes
         self._count(tier, nbytes)
         k = _Kept(data, scale, x.shape, x.dtype, x.device, tier, nbytes, x._version, alias=x)
         if tier == "host" and x.is_cuda:
@@ -385,6 +398,7 @@ class _Reuse(_Phase):
             raise RuntimeError("Swap Core: a block was recomputed twice (a second backward through one graph)")
         _recomputing += 1
         self.core.outgoing.clear()  # the backward has begun: the latest block stays on the device
+        self.core.backward = True
         self.core.fetch(self.frame)
         nxt = self.core.next_to_recompute(self.frame)
         if nxt is not None:

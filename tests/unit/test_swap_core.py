@@ -189,6 +189,25 @@ def test_the_tier_and_budget_decide_where_outputs_live(hybrid):
     assert zero.peak == {"device": 0, "host": total}
 
 
+def test_auto_puts_the_forwards_last_outputs_on_the_device(hybrid):
+    """Tier auto learns from a step how many bytes a forward keeps, then keeps the last budget's
+    worth of the next forward on the device (the backward's first blocks) and the rest on the host;
+    the first forward, with nothing learnt yet, fills the device first."""
+    model = copy.deepcopy(hybrid).train()
+    core = apply_swap_core(model, MemorySpec(recompute="selective", cache_ops=OPS, tier="auto", device_budget_mb=0.1))
+    ids, docs, pos = batch(model.config.vocab_size)
+    tiers = []
+    for _ in range(2):
+        loss = model(ids, None, docs, pos).logsumexp(-1).mean()
+        tiers.append("".join(k.tier[0] for r in core.frames for k in r().leaves()))  # forward order
+        loss.backward()
+    first, second = tiers
+    assert len(first) == len(second) > 10 and set(first) == set(second) == {"d", "h"}
+    assert first == first.rstrip("h").ljust(len(first), "h") and first.startswith("d")  # device, then host
+    assert second == second.lstrip("h").rjust(len(second), "h") and second.endswith("d")  # host, then device
+    assert core.per_forward is not None and 0 < core.peak["device"] <= 0.1 * 2**20
+
+
 def test_quantize_codes_and_error():
     x = torch.randn(512, 256) * torch.rand(512, 1) * 4
     x[:, :4] *= 20  # outlier channels, as activations have
