@@ -55,7 +55,8 @@ def step_loss(model, data: dict, rows: list[int], n_total: int, device: torch.de
     batch = {"input_ids_BT": data["ids"][rows], "labels_BT": data["labels"][rows], "doc_ids_BT": None,
              "positions_BT": None, "pixels_NCHW": torch.zeros(0)}
     loss, n, _ = batch_loss(model, batch, device)
-    return (loss + model.indexer_loss()) * (n / n_total)
+    extra = model.indexer_loss()  # None where no indexer learns (LoRA leaves them out)
+    return (loss + extra if extra is not None else loss) * (n / n_total)
 
 
 def n_targets(data: dict) -> int:

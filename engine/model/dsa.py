@@ -4,7 +4,8 @@ attention output * sigmoid(g_proj(x)) before o_proj; ``gated=False`` is DeepSeek
 
 Names follow transformers' ``deepseek_v32`` (``q_a_proj``, ``indexer.wq_b``, ...), so its
 weights load as they are. The indexer learns only from its KL loss (``last_indexer_loss``,
-recorded while training): its input is detached from the main model.
+recorded while training where the indexer has trainable parameters): its input is detached
+from the main model.
 
 The attention runs in MLA's absorbed form, as DeepSeek's sparse kernels do: ``kv_b_proj``'s key
 half is folded into the queries (q_h W_UK,h against the shared latent) and its value half applied
@@ -107,27 +108,29 @@ class GatedDSAttention(nn.Module):
         index_q, index_k, index_w = self.indexer(x_BTD.detach(), q_resid.detach(), cos, sin)  # learns from its loss only
         idx = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), starts, self.topk)
         scale = (self.nope + self.rope) ** -0.5
+        # the indexer's target and KL loss only where it can learn from them (full training, or
+        # LoRA on its projections): a frozen indexer's loss has no gradient at all
+        learns = self.training and any(p.requires_grad for p in self.indexer.parameters())
         up, down = self._absorbed()
         if up is not None:  # keys and values: the latent, shared by all heads
             q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, up.to(q_nope.dtype)), q_rot], -1)
             k = torch.cat([latent, k_rot], -1)[:, :, None]
-            o, weights = self._attend(q, k.to(q.dtype), latent[:, :, None].to(q.dtype), idx, scale)
+            o, weights = self._attend(q, k.to(q.dtype), latent[:, :, None].to(q.dtype), idx, scale, learns)
             o = torch.einsum("bthr,hvr->bthv", o, down.to(o.dtype))
         else:
             k_nope, v = self.kv_b_proj(latent).view(B, T, self.H, -1).split([self.nope, self.v], -1)
             q = torch.cat([q_nope, q_rot], -1)
             k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, self.H, self.rope)], -1)
-            o, weights = self._attend(q, k, v, idx, scale)
-        if self.training:
-            self.last_indexer_loss = indexer_kl_loss(index_q, index_k, index_w, idx, weights)
+            o, weights = self._attend(q, k, v, idx, scale, learns)
+        self.last_indexer_loss = indexer_kl_loss(index_q, index_k, index_w, idx, weights) if learns else None
         o = o.reshape(B, T, -1)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o)
 
-    def _attend(self, q, k, v, idx, scale) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The attention, and while training the indexer's target."""
-        if self.training:
+    def _attend(self, q, k, v, idx, scale, target: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention, and with ``target`` the indexer's target."""
+        if target:
             return sparse_attention(q, k, v, idx, scale, with_weights=True)
         return sparse_attention(q, k, v, idx, scale), None
 

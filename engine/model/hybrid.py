@@ -75,7 +75,8 @@ class HybridForCausalLM(CausalLM, nn.Module):
         return self.config.vision.image_size if self.config.vision else 0
 
     def indexer_loss(self) -> torch.Tensor | None:
-        """The DSA indexers' KL losses of the last training forward, summed (None in eval)."""
+        """The DSA indexers' KL losses of the last training forward, summed (None in eval, and
+        where no indexer has a trainable parameter: LoRA that leaves them out)."""
         losses = [l.self_attn.last_indexer_loss for l in self.layers if l.kind == "dsa"
                   and l.self_attn.last_indexer_loss is not None]
         return torch.stack(losses).sum() if losses else None

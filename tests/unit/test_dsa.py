@@ -121,6 +121,17 @@ def test_documents_stay_apart_and_the_gate_matters():
         assert rel(ungated(x), m(x)) > 1e-2
 
 
+def test_a_frozen_indexer_computes_no_target_or_loss():
+    """LoRA that leaves the indexer out: its KL loss would have no gradient, so neither it nor the
+    attention's target is computed; the attention's output is the same."""
+    m = module(topk=4).train()
+    x = torch.randn(2, 16, 64, dtype=torch.float64)
+    learning = m(x)
+    assert m.last_indexer_loss is not None
+    m.indexer.requires_grad_(False)
+    assert torch.equal(m(x), learning) and m.last_indexer_loss is None
+
+
 def test_indexer_learns_only_from_its_loss():
     m = module(topk=4).train()
     x = torch.randn(2, 16, 64, dtype=torch.float64, requires_grad=True)
