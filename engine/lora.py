@@ -51,6 +51,54 @@ class _FrozenLinear(torch.autograd.Function):
         return dy.reshape(-1, dy.shape[-1]).mm(W).view(*dy.shape[:-1], W.shape[1]), None, None
 
 
+def lora_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+    """``F.linear(x, W, b) + F.linear(F.linear(x, A) * scaling, B)`` for a frozen W and b, cast as
+    autocast casts it, as one autograd Function with autograd's own products and sums (dx summed in
+    x's dtype, the factors' gradients in theirs). The whole output (and A x) goes through
+    ``kernels.dispatch.kept`` as "projection": kept, the recompute skips the base product, both
+    factor products, the scaling and the sum, and casts x once for the backward."""
+    device = x.device.type
+    dt = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    W, b = (_cast(t, dt) for t in (W, b))
+    with torch.autocast(device, enabled=False):
+        return _LoRAProduct.apply(x, W, b, A, B, scaling, dt)
+
+
+def _cast(t: torch.Tensor | None, dt: torch.dtype | None) -> torch.Tensor | None:
+    """As autocast casts an input of a matmul to ``dt`` (None: autocast is off)."""
+    if t is None or dt is None or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return t
+    return t.to(dt)
+
+
+class _LoRAProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, W, b, A, B, s: float, dt):
+        xc, Ac, Bc = _cast(x, dt), _cast(A, dt), _cast(B, dt)
+
+        def run():
+            t = F.linear(xc, Ac) * s
+            return F.linear(xc, W, b) + F.linear(t, Bc), t
+        out, t = kept("projection", run)
+        ctx.save_for_backward(xc, W, Ac, Bc, t)
+        ctx.s, ctx.dtypes = s, (x.dtype, A.dtype, B.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, W, Ac, Bc, t = ctx.saved_tensors
+        x_dt, A_dt, B_dt = ctx.dtypes
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), xc.reshape(-1, xc.shape[-1])
+        dB = dy2.t().mm(t.reshape(-1, t.shape[-1]))  # aten's mm backward for a row-major weight
+        dts = dy2.mm(Bc) * ctx.s
+        dA = dts.t().mm(x2)
+        dx = None
+        if ctx.needs_input_grad[0]:  # each path back in x's dtype, then summed, as autograd sums them
+            dx = (dy2.mm(W).to(x_dt) + dts.mm(Ac).to(x_dt)).view(*dy.shape[:-1], W.shape[1])
+        return dx, None, None, dA.to(A_dt), dB.to(B_dt), None, None
+
+
 class LoRALinear(nn.Module):
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
@@ -67,8 +115,12 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        W, b = self.base.weight, self.base.bias
-        y = self.base(x) if W.requires_grad or b is not None and b.requires_grad else frozen_linear(x, W, b)
+        W, b, A = self.base.weight, self.base.bias, self.lora_A.weight
+        frozen = not (W.requires_grad or b is not None and b.requires_grad)
+        if (frozen and not self.merged and isinstance(self.dropout, nn.Identity)  # (dropout draws: not kept)
+                and (torch.is_autocast_enabled(x.device.type) or x.dtype == W.dtype == A.dtype)):
+            return lora_linear(x, W, b, A, self.lora_B.weight, self.scaling)
+        y = frozen_linear(x, W, b) if frozen else self.base(x)
         if self.merged:
             return y
         # scaled at rank r, not at the output's width (a power-of-two scaling gives the same bits)

@@ -136,9 +136,10 @@ def test_selective_recompute_skips_the_kept_ops(hybrid):
     assert none["indexer_topk"] == kept["indexer_topk"] == 0 < full["indexer_topk"]
 
 
-def test_kept_projections_skip_their_base_products_only(hybrid):
-    """``projections``: each LoRA projection's frozen product is handed back in the recompute (one
-    matmul fewer per call), its LoRA factors' products run again, and no dispatch mode is needed."""
+def test_kept_projections_skip_their_products_only(hybrid):
+    """``projections``: each LoRA projection's output is handed back in the recompute (its three
+    products, the scaling and the sum are not run again), the rest of the block is recomputed, and
+    no dispatch mode is needed."""
     model = copy.deepcopy(hybrid)
     calls = []
     for m in model.modules():
@@ -148,8 +149,37 @@ def test_kept_projections_skip_their_base_products_only(hybrid):
     full = backward_calls(hybrid, MemorySpec(recompute="full"))
     kept = backward_calls(hybrid, MemorySpec(recompute="selective", cache_ops=["projections"]))
     matmuls = lambda c: c["mm"] + c["addmm"]  # noqa: E731
-    assert len(calls) > 10 and matmuls(full) - matmuls(kept) == len(calls)
-    assert kept["mul"] == full["mul"] and kept["bmm"] == full["bmm"]  # the rest is recomputed
+    assert len(calls) > 10 and matmuls(full) - matmuls(kept) == 3 * len(calls)
+    assert full["mul"] - kept["mul"] == full["add"] - kept["add"] == len(calls)
+    assert kept["bmm"] == full["bmm"] > 0 and kept["sigmoid"] == full["sigmoid"] > 0  # the rest is recomputed
+
+
+@pytest.mark.parametrize("autocast,x_dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_lora_linear_is_autograds_composition_bit_for_bit(autocast, x_dtype, bias):
+    """LoRALinear's one Function (kept whole by ``projections``) gives what the plain composition
+    W x + b + B (s A x) gives under autograd, output and every gradient, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    layer = LoRALinear(torch.nn.Linear(16, 24, bias=bias), rank=4, alpha=8, dropout=0.0)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(generator=g)
+    x = torch.randn(2, 5, 16, generator=g).to(x_dtype)
+    dy = torch.randn(2, 5, 24, generator=g)
+    A, B, s = layer.lora_A.weight, layer.lora_B.weight, layer.scaling
+
+    def composed(xi):
+        y = torch.nn.functional.linear(xi, layer.base.weight, layer.base.bias)
+        return y + torch.nn.functional.linear(torch.nn.functional.linear(xi.to(A.dtype), A) * s, B).to(y.dtype)
+    outs = []
+    for f in (composed, layer):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = f(xi * 1)  # an activation, as in a model: autocast caches the casts of leaves only
+        y.backward(dy.to(y.dtype))
+        outs.append((y, xi.grad, A.grad, B.grad))
+        A.grad = B.grad = None
+    for want, got in zip(*outs):
+        assert got.dtype == want.dtype and torch.equal(got, want) and want.abs().sum() > 0
 
 
 @pytest.mark.parametrize("autocast", [False, True])
