@@ -48,7 +48,7 @@ MODES = {
     # only the kernels' forwards kept (no dispatch mode): little memory for their recompute time
     "swap core, device, kernels": MemorySpec(recompute="selective", cache_ops=["kernels"]),
     "swap core, host, kernels": MemorySpec(recompute="selective", tier="host", cache_ops=["kernels"]),
-    # and LoRA's frozen base products, kept at the call too: ~5 µs of recompute per MB, for the host
+    # and the LoRA projections' outputs, kept at the call too: ~5 µs of recompute per MB, for the host
     "swap core, device, kernels+proj": MemorySpec(recompute="selective", cache_ops=["kernels", "projections"]),
     "swap core, host, kernels+proj": MemorySpec(recompute="selective", tier="host",
                                                 cache_ops=["kernels", "projections"]),
@@ -57,6 +57,8 @@ MODES = {
                                                 cache_ops=["kernels", "projections"]),
     "swap core, auto 500, kernels+proj": MemorySpec(recompute="selective", tier="auto", device_budget_mb=500,
                                                     cache_ops=["kernels", "projections"]),
+    "swap core, auto 1500, kernels+proj": MemorySpec(recompute="selective", tier="auto", device_budget_mb=1500,
+                                                     cache_ops=["kernels", "projections"]),
 }
 BASELINE = "full recompute"
 

@@ -14,10 +14,11 @@ recomputed from the block's inputs in the backward.
   recompute), and ``kernels`` (KDA, DSA's attention and indexer loss) at the kernel's own call
   (``kernels.dispatch.kept``: no cost for other ops). A kernel keeps all its backward saves but
   its inputs (KDA: o, the final state, A_qk, (I + A_kk)^-1; DSA: o, lse, the target), so its
-  forward never runs twice: most recompute time per byte kept. ``projections`` keeps the frozen
-  base product of every LoRA projection the same way (``engine.lora.frozen_linear``: its
-  backward needs only W), ~5 µs of recompute per MB at 4096 wide: for the host tier, where
-  bytes cost copy bandwidth, not device memory. Where a kept output lives is the ``tier``:
+  forward never runs twice: most recompute time per byte kept. ``projections`` keeps every LoRA
+  projection's output the same way (``engine.lora.lora_linear``: base product, factors, scaling
+  and sum in one Function, whose backward needs only its input and A x; a merged projection's
+  base product through ``frozen_linear``), ~5-8 µs of recompute per MB at 4096 wide: for the
+  host tier, where bytes cost copy bandwidth, not device memory. Where a kept output lives is the ``tier``:
   ``device`` (device memory), ``host`` (pinned host memory: copied out on a side stream as the
   forward goes, one block late so that the forward's last block, the backward's first, stays
   on the device; brought back one block ahead of the backward, so copies overlap compute) or
@@ -76,7 +77,7 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
 # Op classes kept at the call (kernels.dispatch.kept names): the Triton kernels' forwards. On a
 # CPU the references run instead, plain torch ops: nothing of this class is kept there.
 CALLS: dict[str, tuple[str, ...]] = {"kernels": ("kda", "sparse_attention", "indexer_kl"),
-                                     "projections": ("projection",)}  # LoRA's frozen base products
+                                     "projections": ("projection",)}  # LoRA projections' outputs
 # Discrete choices: kept whenever anything is (a few bytes a token), so that the recompute repeats
 # the forward's choice exactly. Recomputed from quantized kept values they could differ, and the
 # backward would differentiate another forward (DSA's top-k: 0.022 -> 0.006 gradient error with
