@@ -30,12 +30,9 @@ def frozen_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = Non
     the same dx = dy W, through one autograd Function. It saves no activation, and its product goes
     through ``kernels.dispatch.kept`` as "projection": Swap Core can keep it (``cache_ops:
     projections``) with no dispatch mode, and the recompute then skips the matmul."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dt = torch.get_autocast_dtype(device)
-        x, W, b = (t.to(dt) if t is not None and t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t
-                   for t in (x, W, b))
-    with torch.autocast(device, enabled=False):
+    dt = _autocast_dtype(x)
+    x, W, b = (_cast(t, dt) for t in (x, W, b))
+    with torch.autocast(x.device.type, enabled=False):
         return _FrozenLinear.apply(x, W, b)
 
 
@@ -58,11 +55,16 @@ def lora_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, A: tor
     x's dtype, the factors' gradients in theirs). The whole output (and A x) goes through
     ``kernels.dispatch.kept`` as "projection": kept, the recompute skips the base product, both
     factor products, the scaling and the sum, and casts x once for the backward."""
-    device = x.device.type
-    dt = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    dt = _autocast_dtype(x)
     W, b = (_cast(t, dt) for t in (W, b))
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(x.device.type, enabled=False):
         return _LoRAProduct.apply(x, W, b, A, B, scaling, dt)
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast casts matmul inputs on x's device to; None where autocast is off."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 def _cast(t: torch.Tensor | None, dt: torch.dtype | None) -> torch.Tensor | None:

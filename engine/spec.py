@@ -29,7 +29,8 @@ class MemorySpec:
     activations live. ``recompute``: none | full (each attention and MLP block recomputed) |
     selective (the outputs of ``cache_ops`` kept, the rest recomputed; default the Triton kernels'
     forwards, the fastest on the H200 per byte kept). ``tier``: device | host
-    (pinned, async copies) | auto (device up to ``device_budget_mb``, then host). ``quantize``:
+    (pinned, async copies) | auto (the device for the last ``device_budget_mb`` of each forward's
+    kept outputs, the host before them). ``quantize``:
     none | fp8 | int8: keep 16-bit outputs in one byte an element with a scale per 32.
     ``blocks``: which sublayers of each decoder layer are recomputed (attention, mlp); the others
     keep their activations as without recompute."""

@@ -249,6 +249,12 @@ class SwapCore:
                 k.scale_N1 = self._to_host(k.scale_N1)
         self.outgoing.clear()
 
+    def begin_backward(self) -> None:
+        """A block's recompute starts: the latest block's outputs stay on the device, and the next
+        forward starts a new count of bytes kept (tier auto's plan)."""
+        self.outgoing.clear()
+        self.backward = True
+
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A pinned host copy, made on the side stream after the compute that wrote ``t``."""
         s = self.stream()
@@ -398,8 +404,7 @@ class _Reuse(_Phase):
         if self.frame.kept is None:
             raise RuntimeError("Swap Core: a block was recomputed twice (a second backward through one graph)")
         _recomputing += 1
-        self.core.outgoing.clear()  # the backward has begun: the latest block stays on the device
-        self.core.backward = True
+        self.core.begin_backward()
         self.core.fetch(self.frame)
         nxt = self.core.next_to_recompute(self.frame)
         if nxt is not None:
