@@ -26,8 +26,8 @@ class MemorySettings(BaseModel):
     MemorySpec; README's "Memory" section)."""
     model_config = ConfigDict(extra="forbid")
     recompute: Literal["none", "full", "selective"] = "none"
-    cache_ops: list[Literal["mm", "bmm", "grouped_mm", "attention", "kernels", "projections"]] = Field(
-        ["kernels"], max_length=6)
+    cache_ops: list[Literal["mm", "bmm", "grouped_mm", "attention", "kernels", "projections", "experts"]] = Field(
+        ["kernels"], max_length=7)
     tier: Literal["device", "host", "auto"] = "device"
     quantize: Literal["none", "fp8", "int8"] = "none"
     device_budget_mb: Annotated[float, Field(ge=0)] | None = Field(None, description="tier auto: device memory the cache may hold")

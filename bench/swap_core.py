@@ -59,6 +59,11 @@ MODES = {
                                                     cache_ops=["kernels", "projections"]),
     "swap core, auto 1500, kernels+proj": MemorySpec(recompute="selective", tier="auto", device_budget_mb=1500,
                                                      cache_ops=["kernels", "projections"]),
+    # and the experts' grouped GEMMs (output, gate/up product, LoRA's rank-r products)
+    "swap core, host, kernels+proj+experts": MemorySpec(recompute="selective", tier="host",
+                                                        cache_ops=["kernels", "projections", "experts"]),
+    "swap core, auto 1500, kernels+proj+experts": MemorySpec(recompute="selective", tier="auto", device_budget_mb=1500,
+                                                             cache_ops=["kernels", "projections", "experts"]),
 }
 BASELINE = "full recompute"
 

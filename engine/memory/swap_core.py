@@ -18,7 +18,10 @@ recomputed from the block's inputs in the backward.
   projection's output the same way (``engine.lora.lora_linear``: base product, factors, scaling
   and sum in one Function, whose backward needs only its input and A x; a merged projection's
   base product through ``frozen_linear``), ~5-8 µs of recompute per MB at 4096 wide: for the
-  host tier, where bytes cost copy bandwidth, not device memory. Where a kept output lives is the ``tier``:
+  host tier, where bytes cost copy bandwidth, not device memory. ``experts`` keeps the grouped
+  experts' output, gate/up product and rank-r LoRA products (kernels.moe.grouped's one Function for
+  frozen expert weights, CUDA): the recompute runs none of their grouped GEMMs. Where a kept
+  output lives is the ``tier``:
   ``device`` (device memory), ``host`` (pinned host memory: copied out on a side stream as the
   forward goes, one block late so that the forward's last block, the backward's first, stays
   on the device; brought back one block ahead of the backward, so copies overlap compute) or
@@ -77,7 +80,8 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
 # Op classes kept at the call (kernels.dispatch.kept names): the Triton kernels' forwards. On a
 # CPU the references run instead, plain torch ops: nothing of this class is kept there.
 CALLS: dict[str, tuple[str, ...]] = {"kernels": ("kda", "sparse_attention", "indexer_kl"),
-                                     "projections": ("projection",)}  # LoRA projections' outputs
+                                     "projections": ("projection",),  # LoRA projections' outputs
+                                     "experts": ("experts",)}  # frozen grouped experts with LoRA
 # Discrete choices: kept whenever anything is (a few bytes a token), so that the recompute repeats
 # the forward's choice exactly. Recomputed from quantized kept values they could differ, and the
 # backward would differentiate another forward (DSA's top-k: 0.022 -> 0.006 gradient error with

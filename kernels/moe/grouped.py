@@ -2,13 +2,20 @@
 projection for all experts, no loop and no host sync (the group offsets stay on the device).
 LoRA factors go through grouped GEMMs too. bf16 (the weights are cast as autocast casts them).
 Same signature as the reference; ``usable`` says when it applies (bf16 or bf16 autocast, and
-row lengths of 16 bytes: every width and the LoRA rank a multiple of 8)."""
+row lengths of 16 bytes: every width and the LoRA rank a multiple of 8).
+
+With frozen expert weights (LoRA) both projections are one autograd Function, ``_Experts``: the
+same grouped GEMMs, sums and activation as autograd's composition (``mlp``), but its output, the
+gate/up product and the LoRA's rank-r products go through ``kernels.dispatch.kept`` as "experts":
+Swap Core can keep them (``cache_ops: experts``) and the recompute then runs no grouped GEMM. It
+saves the gate/up product, not the activation: the backward recomputes that (elementwise)."""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
+from kernels.dispatch import kept
 from kernels.moe.reference import Lora
 
 
@@ -48,4 +55,62 @@ def mlp(gmm: Callable, x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID:
 
 def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
                 act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
-    return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
+    if gate_up_E2ID.requires_grad or down_EDI.requires_grad:  # the experts trained whole: autograd's path
+        return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
+    lora = lora or {}
+    offs = counts_E.cumsum(0).to(torch.int32)
+    (A1, B1), (A2, B2) = (lora.get(name, (None, None)) for name in ("gate_up_proj", "down_proj"))
+    with torch.autocast("cuda", enabled=False):
+        A1, B1, A2, B2 = (None if t is None else t.to(torch.bfloat16) for t in (A1, B1, A2, B2))
+        return _Experts.apply(x_MD.to(torch.bfloat16), offs, gate_up_E2ID.to(torch.bfloat16),
+                              down_EDI.to(torch.bfloat16), A1, B1, A2, B2, scaling, act)
+
+
+class _Experts(torch.autograd.Function):
+    """``mlp(gmm, ...)`` for frozen weights W1 (gate/up) and W2 (down), LoRA (A1, B1) and (A2, B2)
+    on either or none, all bf16."""
+
+    @staticmethod
+    def forward(ctx, x, offs, W1, W2, A1, B1, A2, B2, s: float, act: Callable):
+        def project(h, W, A, B):
+            y = gmm(h, W, offs)
+            if A is None:
+                return y, None
+            t = gmm(h, A, offs) * s  # scaled at rank r
+            return y + gmm(t, B, offs), t
+
+        def run():
+            gu, t1 = project(x, W1, A1, B1)
+            y, t2 = project(act(*gu.chunk(2, -1)), W2, A2, B2)
+            return y, gu, t1, t2
+        y, gu, t1, t2 = kept("experts", run)
+        ctx.save_for_backward(x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2)
+        ctx.s, ctx.act = s, act
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2 = ctx.saved_tensors
+        with torch.enable_grad():  # the activation again, from the kept gate/up product
+            gu = gu.detach().requires_grad_()
+            h = ctx.act(*gu.chunk(2, -1))
+        dh, dA2, dB2 = _project_back(dy, h.detach(), offs, W2, A2, B2, t2, ctx.s, True)
+        (dgu,) = torch.autograd.grad(h, gu, dh)
+        dx, dA1, dB1 = _project_back(dgu, x, offs, W1, A1, B1, t1, ctx.s, ctx.needs_input_grad[0])
+        return dx, None, None, None, dA1, dB1, dA2, dB2, None, None
+
+
+def _project_back(dy: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, W: torch.Tensor, A: torch.Tensor | None,
+                  B: torch.Tensor | None, t: torch.Tensor | None, s: float, need_dh: bool):
+    """(dh, dA, dB) of y = gmm(h, W) + gmm(gmm(h, A) * s, B), t = gmm(h, A) * s: the grouped GEMMs
+    autograd's backward of ``gmm`` runs (rows: dy W_e; weights: dy_e^T h_e), summed as it sums."""
+    dA = dB = dt = dh = None
+    if A is not None:
+        dB = torch._grouped_mm(dy.t(), t, offs=offs)
+        dt = torch._grouped_mm(dy, B, offs=offs) * s
+        dA = torch._grouped_mm(dt.t(), h, offs=offs)
+    if need_dh:
+        dh = torch._grouped_mm(dy, W, offs=offs)
+        if dt is not None:
+            dh = dh + torch._grouped_mm(dt, A, offs=offs)
+    return dh, dA, dB

@@ -1,7 +1,9 @@
 """The grouped experts on CUDA (torch._grouped_mm, LoRA through grouped GEMMs) against the
 float64 loop on fresh random inputs: output and the gradients of the rows, the expert weights
 and the LoRA factors, with empty experts and odd row counts, bf16 (tolerance 1e-2); and the
-dispatch back to the loop where grouped GEMMs do not apply (LoRA rank 4)."""
+dispatch back to the loop where grouped GEMMs do not apply (LoRA rank 4). With frozen expert
+weights the grouped path is one autograd Function (kept whole by Swap Core's ``experts``): bit for
+bit autograd's composition of the same grouped GEMMs."""
 from __future__ import annotations
 
 import pytest
@@ -61,3 +63,30 @@ def test_rank_4_falls_back_to_the_loop():
         y = grouped_mlp(x, counts, W1, W2, situ, lora, 2.0)
         z = reference.grouped_mlp(x, counts, W1, W2, situ, lora, 2.0)
     assert torch.equal(y, z)
+
+
+@pytest.mark.parametrize("lora_on", [("gate_up_proj", "down_proj"), ("gate_up_proj",), ()])
+def test_frozen_experts_are_autograds_composition_bit_for_bit(lora_on):
+    from kernels.moe import grouped
+
+    x, counts, W1, W2, lora = case(13, 256, 96, 16, 5)
+    W1, W2 = W1.detach().bfloat16(), W2.detach().bfloat16()  # frozen, stored bf16 as the trainer does
+    lora = {k: v for k, v in lora.items() if k in lora_on}
+    trained = [x, *[p for pair in lora.values() for p in pair]]
+    dy = torch.randn(x.shape[0], 256, device="cuda")
+    out = []
+    for fn in (grouped_mlp, lambda *a: grouped.mlp(grouped.gmm, *a)):
+        for p in trained:
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(x, counts, W1, W2, situ, lora, 2.0)
+        y.float().backward(dy)
+        out.append([y.detach(), *(p.grad for p in trained)])
+    assert all(torch.equal(a, b) for a, b in zip(*out))
+    d = [t.detach().double().requires_grad_() for t in trained]
+    want = reference.grouped_mlp(d[0], counts, W1.double(), W2.double(), situ,
+                                 {k: (d[1 + 2 * i], d[2 + 2 * i]) for i, k in enumerate(lora)}, 2.0)
+    want.backward(dy.double())
+    assert rel(out[0][0], want) < 1e-2
+    for i, (a, b) in enumerate(zip(out[0][1:], d)):
+        assert rel(a, b.grad) < 1e-2, i

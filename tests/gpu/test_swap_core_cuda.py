@@ -51,6 +51,7 @@ def test_swap_core_on_cuda(deterministic):
                  MemorySpec(recompute="selective", cache_ops=ALL),
                  MemorySpec(recompute="selective", cache_ops=ALL, tier="host"),
                  MemorySpec(recompute="selective", cache_ops=["kernels", "projections"], tier="host"),
+                 MemorySpec(recompute="selective", cache_ops=["kernels", "projections", "experts"], tier="host"),
                  MemorySpec(recompute="selective", cache_ops=ALL, tier="auto", device_budget_mb=1.0)):
         got, peak, core = step(model, ids, spec)
         for n in ref:

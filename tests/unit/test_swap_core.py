@@ -16,8 +16,9 @@ from engine.lora import LoRALinear, apply_lora, frozen_linear
 from engine.memory import apply_swap_core
 from engine.memory.swap_core import SwapCore, quantize
 from engine.model.hybrid import HybridForCausalLM
-from engine.model.moe import Router
+from engine.model.moe import Router, situ
 from engine.spec import LoraSpec, MemorySpec
+from kernels.moe import grouped
 
 OPS = ["mm", "grouped_mm", "kernels"]  # matmuls too: on a CPU the kernels' class has nothing to keep
 LORA = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "o_proj", "down_proj", "q_a_proj", "latent_down"],
@@ -396,6 +397,65 @@ def test_a_kept_call_is_kept_whole_not_its_ops_too():
     core.wrap(block)
     block(x).sum().backward()
     assert all(torch.equal(t.grad, w) for t, w in zip((x, *block.parameters()), want))
+    assert core.peak["device"] > 0 and core.live["device"] == 0
+
+
+class FrozenExperts(torch.nn.Module):
+    """bf16 frozen experts with LoRA on both projections through kernels.moe.grouped's one Function
+    (the CUDA path; torch's grouped GEMM runs on the CPU too), rows already grouped."""
+
+    def __init__(self, lora_on: tuple[str, ...]):
+        super().__init__()
+        E, D, I, r = 4, 32, 16, 8
+        g = torch.Generator().manual_seed(3)
+        bf = lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16()  # noqa: E731
+        self.W1, self.W2 = bf(E, 2 * I, D), bf(E, D, I)
+        shapes = {"gate_up_proj": ((E, r, D), (E, 2 * I, r)), "down_proj": ((E, r, I), (E, D, r))}
+        self.factors = torch.nn.ParameterDict({f"{n}_{i}": torch.nn.Parameter(bf(*shape).float())
+                                               for n in lora_on for i, shape in enumerate(shapes[n])})
+        self.lora = {n: (self.factors[f"{n}_0"], self.factors[f"{n}_1"]) for n in lora_on}
+        self.counts = torch.tensor([10, 0, 17, 13])
+
+    def forward(self, x):
+        return grouped.grouped_mlp(x * 2, self.counts, self.W1, self.W2, situ, self.lora, 2.0)
+
+
+@pytest.mark.parametrize("lora_on", [("gate_up_proj", "down_proj"), ("down_proj",), ()])
+def test_kept_experts_run_no_grouped_gemm_again(lora_on):
+    """``experts``: the grouped experts' Function (frozen weights, LoRA on either projection) is
+    autograd's composition bit for bit; kept, the recompute hands it back whole (none of its
+    grouped GEMMs again, the input's own op recomputed) and the gradients stay bit-equal."""
+    torch.manual_seed(0)
+    block, x = FrozenExperts(lora_on), torch.randn(40, 32, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(40, 32, dtype=torch.bfloat16)
+    leaves = [x, *block.parameters()]
+
+    def run(fn, spec: MemorySpec | None = None):
+        for t in leaves:
+            t.grad = None
+        core = None
+        if spec is not None:
+            core = SwapCore(spec)
+            core.wrap(block)
+        y = fn(x)
+        with OpCounter() as counter:
+            y.backward(dy)
+        vars(block).pop("forward", None)
+        return [y.detach(), *(t.grad for t in leaves)], counter.calls, core
+
+    plain = lambda x: grouped.mlp(grouped.gmm, x * 2, block.counts, block.W1, block.W2, situ,  # noqa: E731
+                                  block.lora, 2.0)  # autograd's composition
+    want, _, _ = run(plain)
+    got, none, _ = run(block)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(t.abs().sum() > 0 for t in want[1:])
+    full_got, full, _ = run(block, MemorySpec(recompute="full"))
+    kept_got, kept, core = run(block, MemorySpec(recompute="selective", cache_ops=["experts"]))
+    assert all(torch.equal(a, b) for g in (full_got, kept_got) for a, b in zip(g, want))
+    forward_gemms = 2 + 2 * len(lora_on)  # the two base products, two more for each LoRA
+    assert full["_grouped_mm"] - forward_gemms == kept["_grouped_mm"] == none["_grouped_mm"]
+    assert full["tanh"] > kept["tanh"] == none["tanh"] > 0  # the activation: in the backward only
+    assert kept["mul"] == none["mul"] + 1  # the block's own op (x * 2) is recomputed
     assert core.peak["device"] > 0 and core.live["device"] == 0
 
 
