@@ -17,6 +17,7 @@ from torch import nn
 
 from engine.model.layers import CausalLM, GatedRMSNorm, RMSNorm, causal_mask, cu_seqlens, f32, rows_end_to_end
 from engine.model.moe import MLP, MoE
+from kernels.conv import short_conv
 from kernels.kda import kda_chunk, kda_gate
 
 
@@ -97,16 +98,6 @@ class ForgetGate(nn.Module):
         return kda_gate(g, self.A_log.view(self.H), self.dt_bias.view(self.H, self.K), self.lower_bound)
 
 
-def causal_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """Depthwise causal convolution then SiLU; with cu_seqlens no sequence sees the one before."""
-    W = weight_C1W.shape[-1]
-    if cu_seqlens is None:
-        y = F.conv1d(x_BTC.transpose(1, 2), weight_C1W, padding=W - 1, groups=x_BTC.shape[-1])
-        return F.silu(y[..., : x_BTC.shape[1]].transpose(1, 2))
-    cu = cu_seqlens.tolist()
-    return torch.cat([causal_conv(x_BTC[:, a:b], weight_C1W, None) for a, b in zip(cu, cu[1:])], 1)
-
-
 class KimiDeltaAttention(nn.Module):
     """KDA layer: q/k/v projections and short causal convolutions, the decay gate, beta, the
     chunked delta rule, a gated RMSNorm per head and o_proj. ``full_rank_gate`` (K3): the output
@@ -131,8 +122,9 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        qkv = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], -1)
-        q, k, v = causal_conv(qkv, self.conv1d.weight, cu_seqlens).view(B, T, 3, self.H, self.K).unbind(2)
+        filters = self.conv1d.weight.split(self.H * self.K)  # q's channels, k's, v's (no concatenated copy)
+        q, k, v = (short_conv(proj(x_BTD), w, cu_seqlens).view(B, T, self.H, self.K)
+                   for proj, w in zip((self.q_proj, self.k_proj, self.v_proj), filters))
         g = self.forget_gate(x_BTD)
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
         # q, k, v in the activations' dtype (bf16 under autocast: the kernel's products on bf16 tensor

@@ -98,6 +98,7 @@ def test_attention_kernels_get_bf16_under_autocast(monkeypatch):
         monkeypatch.setattr(module, name, call)
 
     spy(kimi_linear, "kda_chunk", 3)  # q, k, v (the gate and beta stay fp32 on purpose)
+    spy(kimi_linear, "short_conv", 1)  # q, k, v before their convolution
     spy(dsa, "sparse_attention", 3)  # q, k, v
     spy(moe, "grouped_mlp", 1)  # the experts' rows
     c = ModelConfig.debug(vocab_size=512)
@@ -106,7 +107,7 @@ def test_attention_kernels_get_bf16_under_autocast(monkeypatch):
                                                        "kv_b_proj", "latent_down"]))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randint(0, 512, (1, 64)))
-    assert set(seen) == {"kda_chunk", "sparse_attention", "grouped_mlp"}
+    assert set(seen) == {"kda_chunk", "short_conv", "sparse_attention", "grouped_mlp"}
     assert all(d == torch.bfloat16 for dts in seen.values() for d in dts), seen
 
 
