@@ -24,6 +24,14 @@ def dot_precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor (chunk tables, document offsets) onto ``device`` without a host sync: a
+    plain copy from pageable memory waits for the stream, and the queue runs dry at every call."""
+    if t.device == torch.device(device) or torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)  # the pinned block is reused only after the copy
+
+
 # Swap Core (engine/memory) sets this while a recomputed block runs. ``kept(name, fn)`` then keeps
 # fn's outputs in the block's forward and, in its recompute, hands them back instead of calling
 # fn again: a kernel's forward whose outputs include what its backward saves is never rerun.

@@ -58,10 +58,12 @@ def rows_end_to_end(doc_ids_BT: torch.Tensor) -> torch.Tensor:
 
 
 def cu_seqlens(doc_ids_1T: torch.Tensor) -> torch.Tensor:
-    """Where each document starts in one packed row, and its end: [N + 1]."""
-    d = doc_ids_1T[0]
+    """Where each document starts in one packed row, and its end: [N + 1], in host memory. The row's
+    ids come over once a forward (one host sync); the KDA kernel cuts its chunks from the offsets
+    on the host at every call and every recompute, and would otherwise read them back each time."""
+    d = doc_ids_1T[0].cpu()
     starts = torch.nonzero(torch.diff(d, prepend=d[:1] - 1)).flatten()
-    return torch.cat([starts, torch.tensor([len(d)], device=d.device)])
+    return torch.cat([starts, torch.tensor([len(d)])])
 
 
 def next_token_loss(head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100,

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import dot_precision, kept
+from kernels.dispatch import dot_precision, kept, to_device
 from kernels.kda.reference import segments
 
 C = 64  # chunk
@@ -506,16 +506,8 @@ def _chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     for a, b in zip(cu, cu[1:]):
         spans += [(s, min(s + C, b)) for s in range(a, b, C)]
         seq.append(len(spans))
-    return _to(torch.tensor(spans or [(0, 0)], dtype=torch.int32).flatten(), device), \
-        _to(torch.tensor(seq, dtype=torch.int32), device)
-
-
-def _to(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor onto the device without a host sync (a plain copy from pageable memory waits
-    for the stream: the queue ran dry at every KDA call, and at every recompute of one)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)  # the pinned block is reused only after the copy
+    return to_device(torch.tensor(spans or [(0, 0)], dtype=torch.int32).flatten(), device), \
+        to_device(torch.tensor(seq, dtype=torch.int32), device)
 
 
 class _Shapes:

@@ -5,6 +5,9 @@ batches, fp32 and bf16. On a CPU the fp32 cases run through Triton's interpreter
 (tests/unit/test_kernels_interpreted.py)."""
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,3 +116,33 @@ def test_dispatch_and_the_model(autocast, monkeypatch):
     for n, a, r, t in zip(names, kernels, references, truth):
         err = rel(a, t)
         assert err < max(2 * rel(r, t), 1e-6), (n, err, rel(r, t))
+
+
+@gpu_only
+def test_a_packed_layer_waits_for_the_device_once():
+    """The document offsets come to the host once a forward (engine.model.layers.cu_seqlens); the
+    KDA kernels, forward and backward, and the short convolution then take them without a host sync
+    (each one drained the queue before)."""
+    from engine.model.kimi_linear import KimiDeltaAttention
+    from engine.model.layers import cu_seqlens
+
+    m = KimiDeltaAttention(hidden=256, H=4, K=64, gate_lower_bound=-5.0).cuda().train()
+    x = torch.randn(1, 300, 256, device="cuda", requires_grad=True)
+    docs = torch.tensor([[0] * 70 + [1] * 200 + [2] * 30], device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = m(x, cu_seqlens(docs))
+        out.float().sum().backward()
+    step()  # compiles the kernels
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(where) == 1 and where[0].startswith("layers.py:"), where
+
