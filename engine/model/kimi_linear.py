@@ -77,11 +77,6 @@ class KimiLinearConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's form: x / sqrt(sum x^2 + eps)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
 class ForgetGate(nn.Module):
     """The per-channel log decay: low-rank projection, then kda_gate (K3: lower bound -5)."""
 
@@ -122,14 +117,15 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
-        filters = self.conv1d.weight.split(self.H * self.K)  # q's channels, k's, v's (no concatenated copy)
-        q, k, v = (short_conv(proj(x_BTD), w, cu_seqlens).view(B, T, self.H, self.K)
-                   for proj, w in zip((self.q_proj, self.k_proj, self.v_proj), filters))
+        # q's channels, k's, v's convolved apart (no concatenated copy); q and k L2-normalised per
+        # head in fp32 (fla's form), all three in the activations' dtype (bf16 under autocast: the
+        # kernel's products on bf16 tensor cores); the state, the decay and every sum stay fp32
+        filters = self.conv1d.weight.split(self.H * self.K)
+        q, k, v = (short_conv(proj(x_BTD), w, cu_seqlens, norm).view(B, T, self.H, self.K)
+                   for proj, w, norm in zip((self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0)))
         g = self.forget_gate(x_BTD)
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
-        # q, k, v in the activations' dtype (bf16 under autocast: the kernel's products on bf16 tensor
-        # cores); the state, the decay and every sum stay fp32
-        o, _ = kda_chunk(l2norm(f32(q)).to(q.dtype), l2norm(f32(k)).to(k.dtype), v, g, beta, cu_seqlens=cu_seqlens)
+        o, _ = kda_chunk(q, k, v, g, beta, cu_seqlens=cu_seqlens)
         gate = (self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD)))
         gate = gate.view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))

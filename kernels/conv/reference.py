@@ -5,7 +5,9 @@
 depthwise (one filter of width W per channel), causal, zero before the row's start; with
 ``cu_seqlens`` (document offsets along T, the same in every row) zero before each document's start
 too, so that no document sees the one before it. Matmul-like under autocast: x and w in the
-autocast dtype, as ``F.conv1d`` takes them.
+autocast dtype, as ``F.conv1d`` takes them. With ``head_norm`` = n > 0 (KDA's q and k: n = the head
+dim) each group of n channels is then L2-normalised in fp32, fla's form:
+y / sqrt(sum y^2 + 1e-6), and returned in y's dtype.
 
 Legend: B rows, T tokens, C channels, W the filter's width.
 """
@@ -14,11 +16,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+EPS = 1e-6  # the L2 norm's
 
-def short_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+
+def short_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+               head_norm: int = 0) -> torch.Tensor:
     W = weight_C1W.shape[-1]
     if cu_seqlens is None:
         y = F.conv1d(x_BTC.transpose(1, 2), weight_C1W, padding=W - 1, groups=x_BTC.shape[-1])
-        return F.silu(y[..., : x_BTC.shape[1]].transpose(1, 2))
-    cu = cu_seqlens.tolist()
-    return torch.cat([short_conv(x_BTC[:, a:b], weight_C1W) for a, b in zip(cu, cu[1:])], 1)
+        y = F.silu(y[..., : x_BTC.shape[1]].transpose(1, 2))
+    else:
+        cu = cu_seqlens.tolist()
+        y = torch.cat([short_conv(x_BTC[:, a:b], weight_C1W) for a, b in zip(cu, cu[1:])], 1)
+    if not head_norm:
+        return y
+    v = y.unflatten(-1, (-1, head_norm)).to(torch.promote_types(y.dtype, torch.float32))
+    return (v * torch.rsqrt((v * v).sum(-1, keepdim=True) + EPS)).flatten(-2).to(y.dtype)

@@ -1,12 +1,15 @@
-"""KDA's short convolution with SiLU on CUDA: the reference's result and gradients on the
-[B, T, C] layout as the projections give it (no transposes, no padded copy), fp32 inside.
+"""KDA's short convolution with SiLU (and q's and k's L2 norm per head) on CUDA: the reference's
+result and gradients on the [B, T, C] layout as the projections give it (no transposes, no padded
+copy), fp32 inside.
 
 Forward, per tile of tokens and channels: pre[t] = sum_j w[j] x[t - (W-1) + j] over the taps
-inside the token's document, y = silu(pre). Backward: dpre[u] = dy[u] silu'(pre[u]) with pre
-recomputed from x (W x W loads of one tile, from cache), dx[t] = sum_j w[j] dpre[t + (W-1) - j]
-over the outputs u of t's own document, and, when the filter trains, each program's partial
-dw[j] = sum_t dpre[t] x[t - (W-1) + j], summed afterwards (no atomics). Documents
-(``cu_seqlens``) become each token's document start on the device: no host sync.
+inside the token's document, s = silu(pre); with ``head_norm`` = n a tile is one group of n
+channels and y = s r, r = 1 / sqrt(sum s^2 + eps), else y = s. Backward: ds[u] = r (dy - y (y . dy))
+(= dy without the norm), dpre[u] = ds[u] silu'(pre[u]) with pre recomputed from x (W x W loads of
+one tile, from cache), dx[t] = sum_j w[j] dpre[t + (W-1) - j] over the outputs u of t's own
+document, and, when the filter trains, each program's partial dw[j] = sum_t dpre[t] x[t - (W-1) + j],
+summed afterwards (no atomics). Documents (``cu_seqlens``, on the host or the device) become each
+token's document start on the device: no host sync.
 
 Legend: B rows, T tokens, C channels, W the filter's width.
 """
@@ -16,11 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-BT, BC = 32, 128  # a tile: tokens x channels
+from kernels.conv.reference import EPS
+from kernels.dispatch import to_device
+
+BT, BC = 32, 128  # a tile: tokens x channels (with the norm: x one group, padded to a power of 2)
 
 
 @triton.jit
-def _pre(x_ptr, w_ptr, start_ptr, u, t_ok, c, c_ok, T, C, W: tl.constexpr, DOCS: tl.constexpr,
+def _pre(x_ptr, w_ptr, start_ptr, u, t_ok, c, c_ok, C, W: tl.constexpr, DOCS: tl.constexpr,
          BT: tl.constexpr, BC: tl.constexpr):
     """pre[u] for the tile's tokens u (fp32): the taps before u's document start are zero."""
     if DOCS:
@@ -38,26 +44,36 @@ def _pre(x_ptr, w_ptr, start_ptr, u, t_ok, c, c_ok, T, C, W: tl.constexpr, DOCS:
 
 
 @triton.jit
-def _fwd(x_ptr, w_ptr, start_ptr, y_ptr, T, C, W: tl.constexpr, DOCS: tl.constexpr,
-         BT: tl.constexpr, BC: tl.constexpr):
+def _channels(CH: tl.constexpr, BC: tl.constexpr, C):
+    """The tile's channels: CH of them (a group, or BC), padded to BC."""
+    i = tl.arange(0, BC)
+    c = tl.program_id(1) * CH + i
+    return c, (i < CH) & (c < C)
+
+
+@triton.jit
+def _fwd(x_ptr, w_ptr, start_ptr, y_ptr, T, C, eps, W: tl.constexpr, DOCS: tl.constexpr, NORM: tl.constexpr,
+         CH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    t_ok, c_ok = t < T, c < C
+    c, c_ok = _channels(CH, BC, C)
+    t_ok = t < T
     x_ptr += b * T * C
-    pre = _pre(x_ptr, w_ptr, start_ptr, t, t_ok, c, c_ok, T, C, W, DOCS, BT, BC)
-    y = pre * tl.sigmoid(pre)
+    pre = _pre(x_ptr, w_ptr, start_ptr, t, t_ok, c, c_ok, C, W, DOCS, BT, BC)
+    y = pre * tl.sigmoid(pre)  # zero in the padding: its x and w load as zero
+    if NORM:
+        y = y * tl.rsqrt(tl.sum(y * y, 1) + eps)[:, None]
     tl.store(y_ptr + b * T * C + t[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
              mask=t_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
-def _bwd(x_ptr, w_ptr, start_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr, DOCS: tl.constexpr,
-         NEED_DW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _bwd(x_ptr, w_ptr, start_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, eps, W: tl.constexpr, DOCS: tl.constexpr,
+         NORM: tl.constexpr, NEED_DW: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    t_ok, c_ok = t < T, c < C
+    c, c_ok = _channels(CH, BC, C)
+    t_ok = t < T
     x_ptr += b * T * C
     dy_ptr += b * T * C
     if DOCS:
@@ -70,10 +86,16 @@ def _bwd(x_ptr, w_ptr, start_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr,
         u_ok = t_ok & (u < T)
         if DOCS:
             u_ok = u_ok & (tl.load(start_ptr + u, mask=u_ok, other=-1) == s)
-        pre = _pre(x_ptr, w_ptr, start_ptr, u, u_ok, c, c_ok, T, C, W, DOCS, BT, BC)
+        pre = _pre(x_ptr, w_ptr, start_ptr, u, u_ok, c, c_ok, C, W, DOCS, BT, BC)
         sg = tl.sigmoid(pre)
-        dy = tl.load(dy_ptr + u[:, None] * C + c[None, :], mask=u_ok[:, None] & c_ok[None, :], other=0.0)
-        dpre = dy.to(tl.float32) * sg * (1 + pre * (1 - sg))
+        ds = tl.load(dy_ptr + u[:, None] * C + c[None, :], mask=u_ok[:, None] & c_ok[None, :], other=0.0)
+        ds = ds.to(tl.float32)
+        if NORM:
+            act = pre * sg
+            r = tl.rsqrt(tl.sum(act * act, 1) + eps)
+            y = act * r[:, None]
+            ds = (ds - y * tl.sum(y * ds, 1)[:, None]) * r[:, None]
+        dpre = ds * sg * (1 + pre * (1 - sg))
         wv = tl.load(w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)
         dx += dpre * wv[None, :]
         if NEED_DW:
@@ -90,26 +112,32 @@ def _bwd(x_ptr, w_ptr, start_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr,
 
 
 def _starts(cu_seqlens: torch.Tensor | None, T: int, device) -> torch.Tensor | None:
-    """Each token's document start (int32, [T]), from the offsets, on the device."""
+    """Each token's document start (int32, [T]), from the offsets (on the host or the device),
+    computed on the device."""
     if cu_seqlens is None:
         return None
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    cu = to_device(cu_seqlens.to(torch.int64), device)
     doc = torch.searchsorted(cu, torch.arange(T, device=device), right=True) - 1
     return cu[doc.clamp_min(0)].to(torch.int32)
 
 
-def _grid(B: int, T: int, C: int):
-    return triton.cdiv(T, BT), triton.cdiv(C, BC), B
+def _tiles(B: int, T: int, C: int, head_norm: int) -> tuple[tuple[int, int, int], dict]:
+    """The grid and the tile's sizes: one group of channels a tile with the norm, BC without."""
+    CH = head_norm or BC
+    return (triton.cdiv(T, BT), triton.cdiv(C, CH), B), {
+        "NORM": bool(head_norm), "CH": CH, "BT": BT, "BC": triton.next_power_of_2(CH)}
 
 
 class _ShortConv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, starts):
+    def forward(ctx, x, w, starts, head_norm: int):
         B, T, C = x.shape
         y = torch.empty_like(x)
         docs = starts is not None
-        _fwd[_grid(B, T, C)](x, w, starts if docs else x, y, T, C, W=w.shape[-1], DOCS=docs, BT=BT, BC=BC)
+        grid, tile = _tiles(B, T, C, head_norm)
+        _fwd[grid](x, w, starts if docs else x, y, T, C, EPS, W=w.shape[-1], DOCS=docs, **tile)
         ctx.save_for_backward(x, w, starts)
+        ctx.head_norm = head_norm
         return y
 
     @staticmethod
@@ -118,18 +146,21 @@ class _ShortConv(torch.autograd.Function):
         B, T, C = x.shape
         W, docs, need_dw = w.shape[-1], starts is not None, ctx.needs_input_grad[1]
         dx = torch.empty_like(x)
-        grid = _grid(B, T, C)
+        grid, tile = _tiles(B, T, C, ctx.head_norm)
         parts = torch.empty(B * grid[0], C, W, device=x.device, dtype=torch.float32) if need_dw else dx
-        _bwd[grid](x, w, starts if docs else x, dy.contiguous(), dx, parts, T, C, W=W, DOCS=docs, NEED_DW=need_dw,
-                   BT=BT, BC=BC)
+        _bwd[grid](x, w, starts if docs else x, dy.contiguous(), dx, parts, T, C, EPS, W=W, DOCS=docs,
+                   NEED_DW=need_dw, **tile)
         dw = parts.sum(0).view(C, 1, W).to(w.dtype) if need_dw else None
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def short_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+def short_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+               head_norm: int = 0) -> torch.Tensor:
     """[B, T, C] in the autocast dtype (x's dtype without autocast), as the reference's F.conv1d."""
+    if head_norm and x_BTC.shape[-1] % head_norm:
+        raise ValueError(f"head_norm {head_norm} does not divide the {x_BTC.shape[-1]} channels")
     device = x_BTC.device.type
     dt = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x_BTC.dtype
     x, w = x_BTC.to(dt).contiguous(), weight_C1W.to(dt).contiguous()
     with torch.autocast(device, enabled=False):
-        return _ShortConv.apply(x, w, _starts(cu_seqlens, x.shape[1], x.device))
+        return _ShortConv.apply(x, w, _starts(cu_seqlens, x.shape[1], x.device), head_norm)
