@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.norm import gated_rms_norm, rms_norm
+
 
 def f32(x: torch.Tensor) -> torch.Tensor:
     """At least fp32: fp64 stays fp64 (the checks run the model in fp64)."""
@@ -12,21 +14,22 @@ def f32(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """kernels.norm.rms_norm: in fp32, the result in the wider of the weight's and x's dtypes."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = f32(x)
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(RMSNorm):
+    """kernels.norm.gated_rms_norm: the norm times sigmoid(gate), in x's dtype."""
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = f32(x)
-        y = f32(self.weight) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * torch.sigmoid(f32(gate))).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 def causal_mask(T: int, device: torch.device, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:

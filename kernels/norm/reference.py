@@ -1,0 +1,30 @@
+"""RMSNorm and the gated RMSNorm of KDA's output: the reference (the definition).
+
+    rms_norm(x, w)          = w * round_x(x r),            r = 1 / sqrt(mean(x^2) + eps)
+    gated_rms_norm(x, g, w) = round_x(w x r sigmoid(g))
+
+over the last dim, in fp32 (fp64 stays fp64); round_x casts back to x's dtype. rms_norm's result
+is in the wider of w's and x's dtypes (fp32 for a bf16 x and an fp32 weight, as transformers'
+Llama-style norms give), the gated one in x's. Both are elementwise: autocast leaves them as they
+are.
+
+Legend: N rows (all dims but the last), D the last dim.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = _f32(x)
+    return weight_D * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = _f32(x)
+    y = _f32(weight_D) * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * torch.sigmoid(_f32(gate))).to(x.dtype)
