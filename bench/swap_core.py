@@ -189,9 +189,8 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
     return out, grads
 
 
-def profile(model, name: str, ids, device) -> None:
-    """One step of a mode under torch.profiler: wall time against the time the device was busy
-    (a step much longer than its kernels is bound by the host), and the ops that took it."""
+def _profiled(model, name: str, ids, device):
+    """(wall seconds, torch.profiler's ops) of one step of a mode, after a warm one."""
     _, _, opt = ready(model, MODES[name])
     step(model, opt, ids, device)  # warm
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -200,14 +199,32 @@ def profile(model, name: str, ids, device) -> None:
     with torch.profiler.profile(activities=acts) as prof:
         step(model, opt, ids, device)
         sync(device)
-    wall = time.perf_counter() - t0
-    events = prof.key_averages()
+    return time.perf_counter() - t0, prof.key_averages(), opt
+
+
+def profile(model, name: str, ids, device) -> None:
+    """One step of a mode under torch.profiler: wall time against the time the device was busy
+    (a step much longer than its kernels is bound by the host), the ops that took it, what the
+    mode adds to a step without recompute op by op (its recompute, copies and waits), and where
+    the host waited for the device."""
+    wall, events, opt = _profiled(model, name, ids, device)
+    cuda = device.type == "cuda"
     busy = sum(e.self_device_time_total for e in events) / 1e3
     print(f"\n{name}: step {1e3 * wall:.0f} ms under the profiler, device busy {busy:.0f} ms, "
           f"{sum(e.count for e in events)} ops")
-    print(events.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+    print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                        row_limit=30, max_name_column_width=48))
-    if device.type == "cuda":  # where the host waited for the device, by the line that asked
+    if name != "no recompute":
+        own = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total  # noqa: E731
+        base = {e.key: (own(e), e.count) for e in _profiled(model, "no recompute", ids, device)[1]}
+        more = sorted(((own(e) - base.get(e.key, (0, 0))[0], e.count - base.get(e.key, (0, 0))[1], e.key)
+                       for e in events), reverse=True)
+        print(f"more than no recompute ({'device' if cuda else 'host'} ms, calls; the profiler lists an aten op "
+              "and its kernels both):")
+        for us, n, key in more[:25]:
+            print(f"{us / 1e3:9.2f} {n:6d}  {key[:100]}")
+        _, _, opt = ready(model, MODES[name])
+    if cuda:  # where the host waited for the device, by the line that asked
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -217,7 +234,7 @@ def profile(model, name: str, ids, device) -> None:
                 torch.cuda.set_sync_debug_mode("default")
         where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
         print(f"host syncs in a step: {sum(where.values())} ({', '.join(f'{k} x{v}' for k, v in where.most_common(12))})")
-    waits = sorted((e for e in events if e.key.startswith("cuda") and "Sync" in e.key or "Memcpy" in e.key),
+    waits = sorted((e for e in events if (e.key.startswith("cuda") and "Sync" in e.key) or "Memcpy" in e.key),
                    key=lambda e: -e.self_cpu_time_total)
     print("host waits: " + ", ".join(f"{e.key} x{e.count} {e.self_cpu_time_total / 1e3:.1f} ms" for e in waits))
 
@@ -252,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     gc.freeze()  # as engine.trainer does before its loop: no full collection stalls a step
     ids = torch.randint(0, cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1)).to(device)
     results, ref = {}, None
-    for name in ["no recompute"] + [m for m in args.modes if m != "no recompute"]:
+    for name in dict.fromkeys(["no recompute", BASELINE, *args.modes]):  # the reference and the baseline first
         try:
             results[name], grads = run_mode(model, MODES[name], ids, device, args.warmup, args.steps, ref)
         except torch.OutOfMemoryError:
