@@ -13,12 +13,11 @@ after 5. Baseline: the reference. Writes bench/results/conv.json.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from bench.cuda_time import median_ms
+from bench.cuda_time import pass_row, report
 from kernels.conv import reference
 from kernels.conv import triton as ours
 
@@ -54,27 +53,13 @@ def main(argv: list[str] | None = None) -> dict:
         dy = torch.randn(1, T, C, device="cuda", generator=g).bfloat16()
         cu = torch.arange(0, T + 1, doc, device="cuda") if doc else None
         want = reference.short_conv(x, w, cu, norm)
-        base = {}
+        base = None
         for name, fn in methods(norm).items():
-            with torch.no_grad():
-                err = float((fn(x, w, cu, norm).float() - want.float()).norm() / want.float().norm())
-            fwd = median_ms(lambda: fn(x, w, cu, norm), 20, 5)
-            both = median_ms(lambda: torch.autograd.grad(fn(x, w, cu, norm), x, dy), 20, 5)
-            base = base or {"fwd": fwd, "both": both}
-            rows.append({"T": T, "C": C, "doc": doc, "norm": norm, "method": name, "fwd_ms": fwd, "fwd_bwd_ms": both,
-                         "fwd_GBps": 2 * T * C * 2 / fwd / 1e6, "fwd_bwd_GBps": 5 * T * C * 2 / both / 1e6,
-                         "fwd_speedup": base["fwd"] / fwd, "fwd_bwd_speedup": base["both"] / both, "rel_err": err})
-    print(f"\nshort conv + SiLU, bf16, width 4, {torch.cuda.get_device_name()}; baseline: {BASELINE}")
-    print(f"{'T':>6} {'C':>6} {'docs':>5} {'norm':>4} {'method':<24} {'fwd ms':>7} {'GB/s':>6} {'x base':>7} "
-          f"{'f+b ms':>7} {'GB/s':>6} {'x base':>7} {'rel err':>8}")
-    for r in rows:
-        print(f"{r['T']:>6} {r['C']:>6} {r['doc'] or '-':>5} {r['norm'] or '-':>4} {r['method']:<24} {r['fwd_ms']:>7.3f} {r['fwd_GBps']:>6.0f} "
-              f"{r['fwd_speedup']:>6.2f}x {r['fwd_bwd_ms']:>7.3f} {r['fwd_bwd_GBps']:>6.0f} {r['fwd_bwd_speedup']:>6.2f}x "
-              f"{r['rel_err']:>8.1e}")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "baseline": BASELINE, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    return report
+            row = pass_row(lambda: fn(x, w, cu, norm), [x], dy, want, 2 * T * C * 2, 5 * T * C * 2, base)
+            base = base or row
+            rows.append({"T": T, "C": C, "doc": doc, "norm": norm, "method": name, **row})
+    return report(f"short conv + SiLU, bf16, width 4, {torch.cuda.get_device_name()}", rows,
+                  {"T": 6, "C": 6, "doc": 5, "norm": 4, "method": 24}, BASELINE, args.out)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ calls after 5. Baseline: the reference. Writes bench/results/norm.json.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from bench.cuda_time import median_ms
+from bench.cuda_time import pass_row, report
 from kernels.norm import reference
 from kernels.norm import triton as ours
 
@@ -42,28 +41,14 @@ def main(argv: list[str] | None = None) -> dict:
         n = x.numel()
         fwd_bytes = n * 2 * len(inputs) + n * y.element_size()
         both_bytes = fwd_bytes + n * y.element_size() + n * 2 * 2 * len(inputs)
-        base = {}
+        base = None
         for name, impl in ((BASELINE, reference), ("Kiln Triton", ours)):
             fn = getattr(impl, op)
-            with torch.no_grad():
-                err = float((fn(*args_of()).float() - y.float()).norm() / y.float().norm())
-            fwd = median_ms(lambda: fn(*args_of()), 20, 5)
-            both = median_ms(lambda: torch.autograd.grad(fn(*args_of()), inputs, dy), 20, 5)
-            base = base or {"fwd": fwd, "both": both}
-            rows.append({"op": op, "shape": list(shape), "method": name, "fwd_ms": fwd, "fwd_bwd_ms": both,
-                         "fwd_GBps": fwd_bytes / fwd / 1e6, "fwd_bwd_GBps": both_bytes / both / 1e6,
-                         "fwd_speedup": base["fwd"] / fwd, "fwd_bwd_speedup": base["both"] / both, "rel_err": err})
-    print(f"\nRMSNorm, bf16 x, fp32 frozen weight, {torch.cuda.get_device_name()}; baseline: {BASELINE}")
-    print(f"{'op':<15} {'shape':<16} {'method':<18} {'fwd ms':>7} {'GB/s':>6} {'x base':>7} "
-          f"{'f+b ms':>7} {'GB/s':>6} {'x base':>7} {'rel err':>8}")
-    for r in rows:
-        print(f"{r['op']:<15} {'x'.join(map(str, r['shape'])):<16} {r['method']:<18} {r['fwd_ms']:>7.3f} "
-              f"{r['fwd_GBps']:>6.0f} {r['fwd_speedup']:>6.2f}x {r['fwd_bwd_ms']:>7.3f} {r['fwd_bwd_GBps']:>6.0f} "
-              f"{r['fwd_bwd_speedup']:>6.2f}x {r['rel_err']:>8.1e}")
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "baseline": BASELINE, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    return report
+            row = pass_row(lambda: fn(*args_of()), inputs, dy, y, fwd_bytes, both_bytes, base)
+            base = base or row
+            rows.append({"op": op, "shape": "x".join(map(str, shape)), "method": name, **row})
+    return report(f"RMSNorm, bf16 x, fp32 frozen weight, {torch.cuda.get_device_name()}", rows,
+                  {"op": 15, "shape": 16, "method": 18}, BASELINE, args.out)
 
 
 if __name__ == "__main__":
