@@ -27,7 +27,7 @@ def dot_precision(t: torch.Tensor) -> str:
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A small host tensor (chunk tables, document offsets) onto ``device`` without a host sync: a
     plain copy from pageable memory waits for the stream, and the queue runs dry at every call."""
-    if t.device == torch.device(device) or torch.device(device).type != "cuda":
+    if t.device.type != "cpu" or torch.device(device).type != "cuda":  # already there, or no copy engine
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)  # the pinned block is reused only after the copy
 
