@@ -7,9 +7,10 @@ recompute, full recompute, and Swap Core on each tier and quantization, all in o
 Each mode trains the same model on the same batch (LoRA on every projection and on the experts;
 the loss as engine.trainer computes it, fused with the head in vocab chunks; an optimizer step at
 lr 0, so every mode starts from the same weights): ``--warmup`` steps, then the median of
-``--steps`` timed steps; peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps. The first step's gradients are compared
-with the no-recompute run's (bit-equal expected without quantization). Baseline: full recompute,
-measured in the same run (the issue's goal: >= 1.15x its speed at <= 1.1x its peak memory).
+``--steps`` timed steps; peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps.
+The first step's gradients are compared with the no-recompute run's (bit-equal expected without
+quantization). Baseline: full recompute, measured in the same run (the issue's goal: >= 1.15x its
+speed at <= 1.1x its peak memory).
 Writes bench/results/swap_core.json.
 """
 from __future__ import annotations
