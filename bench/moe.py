@@ -65,7 +65,13 @@ def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
 ROWS = [dict(BM=128, BN=256, BK=64, GROUP=1, num_warps=8, num_stages=3),  # the grid order before 2026-12-03
         dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4),
         dict(BM=128, BN=256, BK=64, GROUP=4, num_warps=8, num_stages=4),
-        dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=5)]
+        dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=5),
+        # persistent, TMA descriptors made on the device, with and without warp specialisation
+        dict(BM=128, BN=256, BK=64, TMA=True, WS=False, num_warps=8, num_stages=4),
+        dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=8, num_stages=3),
+        dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=8, num_stages=4),
+        dict(BM=128, BN=128, BK=64, TMA=True, WS=True, num_warps=4, num_stages=4),
+        dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=4, num_stages=4)]
 WEIGHTS = [dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3),  # before 2026-12-03
            dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=3),
            dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=4),

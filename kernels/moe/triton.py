@@ -24,8 +24,9 @@ from kernels.dispatch import dot_precision
 from kernels.moe.grouped import mlp
 from kernels.moe.reference import Lora
 
-# the best of bench.moe --tune: "rows" for y = x W_e^T and dx = dy W_e, "weights" for dW_e
-CONFIG = {"rows": dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4),
+# the best of bench.moe --tune: "rows" for y = x W_e^T and dx = dy W_e (persistent, TMA,
+# warp-specialised; where TMA cannot take the shapes, the pointer kernel with GROUP 8), "weights" for dW_e
+CONFIG = {"rows": dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, WS=True, num_warps=4, num_stages=4),
           "weights": dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=3)}
 
 
@@ -78,6 +79,41 @@ def _gmm_rows(X, W, Y, TILE_E, TILE_ROW, OFFS, C, R, swe, swc, swr, TILES_M, TIL
 
 
 @triton.jit
+def _gmm_rows_tma(X, W, Y, TILE_E, TILE_ROW, OFFS, USED, M, C, R, E, TILES_N, NUM_SMS,
+                  TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  WS: tl.constexpr, PREC: tl.constexpr):
+    """``_gmm_rows`` as a persistent kernel whose tiles come in through TMA descriptors made on
+    the device (and, with ``WS``, a warp-specialised loop: loads and MMAs in their own warps).
+
+    Only the used row tiles are visited (``USED``: their number, on the device). A row tile that
+    runs past its group reads the next group's rows (or TMA's zeros past M): those rows are
+    never stored. W is one 2-D tensor [E * C, R] (or [E * R, C] with ``TRANS``, the reduction
+    then in whole BK blocks of one expert: R % BK == 0)."""
+    x_d = tl.make_tensor_descriptor(X, shape=[M, R], strides=[R, 1], block_shape=[BM, BK])
+    if TRANS:
+        w_d = tl.make_tensor_descriptor(W, shape=[E * R, C], strides=[C, 1], block_shape=[BK, BN])
+    else:
+        w_d = tl.make_tensor_descriptor(W, shape=[E * C, R], strides=[R, 1], block_shape=[BN, BK])
+    total = tl.load(USED) * TILES_N
+    for tile in tl.range(tl.program_id(0), total, NUM_SMS, flatten=False, warp_specialize=WS):
+        pid_m = tile // TILES_N
+        pid_n = tile % TILES_N
+        e = tl.load(TILE_E + pid_m)
+        row0 = tl.load(TILE_ROW + pid_m)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, R, BK):
+            a = x_d.load([row0, k0])
+            if TRANS:
+                acc = tl.dot(a, w_d.load([e * R + k0, pid_n * BN]), acc, input_precision=PREC)
+            else:
+                acc = tl.dot(a, tl.trans(w_d.load([e * C + pid_n * BN, k0])), acc, input_precision=PREC)
+        rows = row0 + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        ok = (rows < tl.load(OFFS + e))[:, None] & (cols < C)[None, :]
+        tl.store(Y + rows[:, None].to(tl.int64) * C + cols[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _gmm_weights(DY, X, DW, OFFS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  PREC: tl.constexpr):
     """DW[e] = DY_e^T X_e: the reduction over group e's rows."""
@@ -97,8 +133,9 @@ def _gmm_weights(DY, X, DW, OFFS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: 
              mask=(ns[:, None] < N) & (ks[None, :] < K))
 
 
-def _tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Each row tile's group (-1: unused) and first row, on the device."""
+def _tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Each row tile's group (-1: unused) and first row, on the device; the used ones come
+    first, their number (a one-element tensor) last."""
     E = offs.shape[0]
     starts = torch.cat([offs.new_zeros(1), offs[:-1]])
     per = (offs - starts + BM - 1) // BM
@@ -109,7 +146,22 @@ def _tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Ten
     used = e < E
     e = e.clamp_max(E - 1)
     row = starts[e] + (t - (ends[e] - per[e])) * BM
-    return torch.where(used, e, -1).to(torch.int32), row.to(torch.int32), n
+    return torch.where(used, e, -1).to(torch.int32), row.to(torch.int32), n, ends[-1:].to(torch.int32)
+
+
+def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the TMA descriptors that kernels make on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tma_ok(x: torch.Tensor, W: torch.Tensor, R: int, C: int, cfg: dict, transpose: bool) -> bool:
+    """Whether ``_gmm_rows_tma`` can take these: 16-byte strides and bases, and with
+    ``transpose`` whole BK blocks of the reduction per expert."""
+    size = x.element_size()
+    hopper = not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
+    return (cfg.get("TMA", False) and hopper and W.is_contiguous() and (R * size) % 16 == 0
+            and (C * size) % 16 == 0 and x.data_ptr() % 16 == 0 and W.data_ptr() % 16 == 0
+            and (not transpose or R % cfg["BK"] == 0))
 
 
 def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -119,12 +171,22 @@ def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: 
     swe, s1, s2 = W.stride()
     swc, swr = (s2, s1) if transpose else (s1, s2)
     cfg = _config(x, "rows")
-    tile_e, tile_row, n = _tiles(offs, M, cfg["BM"])
+    tma, ws = _tma_ok(x, W, R, C, cfg, transpose), cfg.pop("WS", False)
+    cfg.pop("TMA", None)
+    tile_e, tile_row, n, used = _tiles(offs, M, cfg["BM"])
     y = torch.empty(M, C, dtype=x.dtype, device=x.device)
     if M:
         cols = triton.cdiv(C, cfg["BN"])
-        _gmm_rows[(n * cols,)](x, W, y, tile_e, tile_row, offs, C, R, swe, swc, swr, n, cols,
-                               EVEN_K=R % cfg["BK"] == 0, PREC=dot_precision(x), **cfg)
+        if tma:
+            triton.set_allocator(_alloc)
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+            grid = min(sms, n * cols)
+            cfg.pop("GROUP", None)
+            _gmm_rows_tma[(grid,)](x, W, y, tile_e, tile_row, offs, used, M, C, R, W.shape[0], cols, grid,
+                                   TRANS=transpose, WS=ws, PREC=dot_precision(x), **cfg)
+        else:
+            _gmm_rows[(n * cols,)](x, W, y, tile_e, tile_row, offs, C, R, swe, swc, swr, n, cols,
+                                   EVEN_K=R % cfg["BK"] == 0, PREC=dot_precision(x), **{"GROUP": 8, **cfg})
     return y
 
 

@@ -23,11 +23,26 @@ def counts_for(E: int, seed: int, most: int) -> torch.Tensor:
     return c
 
 
+@pytest.mark.parametrize("loads", ["pointers", "tma", "tma, warp-specialised"])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
-@pytest.mark.parametrize("E,N,K,most", [(5, 24, 40, 70), (3, 136, 72, 200), (4, 40, 128, 150),
+@pytest.mark.parametrize("E,N,K,most", [(5, 24, 40, 70), (3, 136, 72, 200), (4, 128, 40, 150),
                                          pytest.param(16, 1024, 2048, 700, marks=gpu_only)])
-def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype):
+def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch):
+    """Each way of loading the rows kernels' tiles (the TMA kernel takes dx only where the
+    reduction N is whole BK blocks: the 128 and 1024 cases)."""
+    from kernels.moe import triton as fast
     from kernels.moe.triton import gmm
+
+    rows = dict(fast.CONFIG["rows"], TMA=loads != "pointers", WS=loads.endswith("specialised"))
+    monkeypatch.setitem(fast.CONFIG, "rows", rows)
+    launches = []
+    kernel = fast._gmm_rows_tma
+
+    class Counted:  # which GEMMs the TMA kernel ran
+        def __getitem__(self, grid):
+            return lambda *args, TRANS, **kw: launches.append(TRANS) or kernel[grid](*args, TRANS=TRANS, **kw)
+
+    monkeypatch.setattr(fast, "_gmm_rows_tma", Counted())
 
     counts = counts_for(E, E * N, most)
     offs = counts.cumsum(0).to(torch.int32)
@@ -44,6 +59,7 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype):
     tol = TOL[dtype]
     assert rel(y, want) < tol and rel(x.grad, x64.grad) < tol and rel(W.grad, W64.grad) < tol
     assert (W.grad[0] == 0).all()  # the empty group's weights get no gradient
+    assert launches == ([] if loads == "pointers" else [False, True] if N in (128, 1024) else [False])
 
 
 @pytest.mark.parametrize("N,k,E,D,dtype", [
