@@ -56,7 +56,12 @@ def test_swap_core_on_cuda(deterministic):
         got, peak, core = step(model, ids, spec)
         for n in ref:
             assert torch.equal(got[n], ref[n]), (spec, n)
-        assert peak < peak_none, spec
+        if spec.cache_ops == ALL and spec.tier == "device":
+            # every matmul's output kept on the device: more than autograd saves without
+            # recompute (a linear saves its input, not its output), so no bound by that peak
+            assert core.peak["device"] > 0 and core.peak["host"] == 0
+        else:
+            assert peak < peak_none, spec
         if spec.tier == "host":
             assert core.peak["device"] == 0 and core.peak["host"] > 0
         if spec.tier == "auto":
