@@ -62,20 +62,16 @@ def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
 
 # Candidates (2026-12-03 on the H200, y / dx / dW against torch: 128 x 128 tiles, 256 x 128,
 # BK 128 for the rows, and 256 x 64 or 128 x 128 for dW were slower; bench/RESULTS.md)
-ROWS = [dict(BM=128, BN=256, BK=64, GROUP=1, num_warps=8, num_stages=3),  # the grid order before 2026-12-03
-        dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4),
-        dict(BM=128, BN=256, BK=64, GROUP=4, num_warps=8, num_stages=4),
-        dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=5),
-        # persistent, TMA descriptors made on the device, with and without warp specialisation
-        dict(BM=128, BN=256, BK=64, TMA=True, WS=False, num_warps=8, num_stages=4),
+ROWS = [dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4),  # pointer loads, the default before 2026-12-03
+        # persistent, TMA descriptors made on the device, warp-specialised (8 warps, 4 stages and
+        # 128 x 128 tiles were slower, and without warp specialisation: bench/RESULTS.md)
         dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=8, num_stages=3),
-        dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=8, num_stages=4),
-        dict(BM=128, BN=128, BK=64, TMA=True, WS=True, num_warps=4, num_stages=4),
         dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=4, num_stages=4)]
-WEIGHTS = [dict(BM=64, BN=256, BK=64, num_warps=8, num_stages=3),  # before 2026-12-03
-           dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=3),
-           dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=4),
-           dict(BM=32, BN=128, BK=256, num_warps=8, num_stages=4)]
+WEIGHTS = [dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=4),  # pointer loads
+           dict(BM=64, BN=128, BK=256, TMA=True, WS=False, num_warps=8, num_stages=4),
+           dict(BM=64, BN=128, BK=256, TMA=True, WS=True, num_warps=8, num_stages=4),
+           dict(BM=64, BN=128, BK=256, TMA=True, WS=True, num_warps=4, num_stages=4),
+           dict(BM=64, BN=256, BK=128, TMA=True, WS=True, num_warps=4, num_stages=4)]
 
 
 def tune(D: int, I: int) -> None:

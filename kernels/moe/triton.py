@@ -133,6 +133,36 @@ def _gmm_weights(DY, X, DW, OFFS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: 
              mask=(ns[:, None] < N) & (ks[None, :] < K))
 
 
+@triton.jit
+def _gmm_weights_tma(DY, X, DW, OFFS, N, K, E, TILES_N, TILES_K, NUM_SMS, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, WS: tl.constexpr, PREC: tl.constexpr):
+    """``_gmm_weights`` as a persistent kernel: each tile (expert, N block, K block) reads its
+    group's rows through descriptors made for that group on the device, whose shape ends at
+    the group's last row (TMA fills the last block past it with zeros: no masks)."""
+    per_e = TILES_N * TILES_K
+    for tile in tl.range(tl.program_id(0), E * per_e, NUM_SMS, flatten=False, warp_specialize=WS):
+        e = tile // per_e
+        pid_n = (tile % per_e) // TILES_K
+        pid_k = tile % TILES_K
+        start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
+        rows = tl.load(OFFS + e) - start
+        dy_d = tl.make_tensor_descriptor(DY + start.to(tl.int64) * N, shape=[tl.maximum(rows, 1), N], strides=[N, 1],
+                                         block_shape=[BM, BN])
+        x_d = tl.make_tensor_descriptor(X + start.to(tl.int64) * K, shape=[tl.maximum(rows, 1), K], strides=[K, 1],
+                                        block_shape=[BM, BK])
+        acc = tl.zeros([BN, BK], tl.float32)
+        for m0 in range(0, rows, BM):
+            acc = tl.dot(tl.trans(dy_d.load([m0, pid_n * BN])), x_d.load([m0, pid_k * BK]), acc, input_precision=PREC)
+        ns = pid_n * BN + tl.arange(0, BN)
+        ks = pid_k * BK + tl.arange(0, BK)
+        tl.store(DW + e.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :], acc.to(DW.dtype.element_ty),
+                 mask=(ns[:, None] < N) & (ks[None, :] < K))
+
+
+def _sms(x: torch.Tensor) -> int:
+    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+
+
 def _tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Each row tile's group (-1: unused) and first row, on the device; the used ones come
     first, their number (a one-element tensor) last."""
@@ -154,14 +184,13 @@ def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _tma_ok(x: torch.Tensor, W: torch.Tensor, R: int, C: int, cfg: dict, transpose: bool) -> bool:
-    """Whether ``_gmm_rows_tma`` can take these: 16-byte strides and bases, and with
-    ``transpose`` whole BK blocks of the reduction per expert."""
-    size = x.element_size()
-    hopper = not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] >= 9
-    return (cfg.get("TMA", False) and hopper and W.is_contiguous() and (R * size) % 16 == 0
-            and (C * size) % 16 == 0 and x.data_ptr() % 16 == 0 and W.data_ptr() % 16 == 0
-            and (not transpose or R % cfg["BK"] == 0))
+def _tma_ok(a: torch.Tensor, b: torch.Tensor, R: int, C: int, cfg: dict, whole: bool = True) -> bool:
+    """Whether the TMA kernels can take these: Hopper or later, 16-byte row strides (R and C
+    elements) and bases, and ``whole`` (the reduction in whole BK blocks where the kernel needs it)."""
+    size = a.element_size()
+    hopper = not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] >= 9
+    return (cfg.get("TMA", False) and hopper and b.is_contiguous() and (R * size) % 16 == 0
+            and (C * size) % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0 and whole)
 
 
 def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -171,7 +200,7 @@ def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: 
     swe, s1, s2 = W.stride()
     swc, swr = (s2, s1) if transpose else (s1, s2)
     cfg = _config(x, "rows")
-    tma, ws = _tma_ok(x, W, R, C, cfg, transpose), cfg.pop("WS", False)
+    tma, ws = _tma_ok(x, W, R, C, cfg, not transpose or R % cfg["BK"] == 0), cfg.pop("WS", False)
     cfg.pop("TMA", None)
     tile_e, tile_row, n, used = _tiles(offs, M, cfg["BM"])
     y = torch.empty(M, C, dtype=x.dtype, device=x.device)
@@ -179,8 +208,7 @@ def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: 
         cols = triton.cdiv(C, cfg["BN"])
         if tma:
             triton.set_allocator(_alloc)
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-            grid = min(sms, n * cols)
+            grid = min(_sms(x), n * cols)
             cfg.pop("GROUP", None)
             _gmm_rows_tma[(grid,)](x, W, y, tile_e, tile_row, offs, used, M, C, R, W.shape[0], cols, grid,
                                    TRANS=transpose, WS=ws, PREC=dot_precision(x), **cfg)
@@ -195,8 +223,15 @@ def _weights_gemm(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, E: int)
     N, K = dy.shape[1], x.shape[1]
     dW = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
     cfg = _config(x, "weights")
-    _gmm_weights[(triton.cdiv(N, cfg["BN"]), triton.cdiv(K, cfg["BK"]), E)](dy, x, dW, offs, N, K,
-                                                                           PREC=dot_precision(x), **cfg)
+    tma, ws = _tma_ok(dy, x, N, K, cfg), cfg.pop("WS", False)
+    cfg.pop("TMA", None)
+    tn, tk = triton.cdiv(N, cfg["BN"]), triton.cdiv(K, cfg["BK"])
+    if tma:
+        triton.set_allocator(_alloc)
+        grid = min(_sms(x), E * tn * tk)
+        _gmm_weights_tma[(grid,)](dy, x, dW, offs, N, K, E, tn, tk, grid, WS=ws, PREC=dot_precision(x), **cfg)
+    else:
+        _gmm_weights[(tn, tk, E)](dy, x, dW, offs, N, K, PREC=dot_precision(x), **cfg)
     return dW
 
 

@@ -33,16 +33,23 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch)
     from kernels.moe import triton as fast
     from kernels.moe.triton import gmm
 
-    rows = dict(fast.CONFIG["rows"], TMA=loads != "pointers", WS=loads.endswith("specialised"))
-    monkeypatch.setitem(fast.CONFIG, "rows", rows)
+    for which in ("rows", "weights"):
+        monkeypatch.setitem(fast.CONFIG, which, dict(fast.CONFIG[which], TMA=loads != "pointers",
+                                                      WS=loads.endswith("specialised")))
     launches = []
-    kernel = fast._gmm_rows_tma
 
-    class Counted:  # which GEMMs the TMA kernel ran
+    class Counted:  # which GEMMs the TMA kernels ran
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
         def __getitem__(self, grid):
-            return lambda *args, TRANS, **kw: launches.append(TRANS) or kernel[grid](*args, TRANS=TRANS, **kw)
+            def launch(*args, **kw):
+                launches.append({True: "dx", False: "y"}.get(kw.get("TRANS"), self.name))
+                return self.kernel[grid](*args, **kw)
+            return launch
 
-    monkeypatch.setattr(fast, "_gmm_rows_tma", Counted())
+    monkeypatch.setattr(fast, "_gmm_rows_tma", Counted(fast._gmm_rows_tma, "y"))
+    monkeypatch.setattr(fast, "_gmm_weights_tma", Counted(fast._gmm_weights_tma, "dW"))
 
     counts = counts_for(E, E * N, most)
     offs = counts.cumsum(0).to(torch.int32)
@@ -59,7 +66,7 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch)
     tol = TOL[dtype]
     assert rel(y, want) < tol and rel(x.grad, x64.grad) < tol and rel(W.grad, W64.grad) < tol
     assert (W.grad[0] == 0).all()  # the empty group's weights get no gradient
-    assert launches == ([] if loads == "pointers" else [False, True] if N in (128, 1024) else [False])
+    assert launches == ([] if loads == "pointers" else ["y", "dx", "dW"] if N in (128, 1024) else ["y", "dW"])
 
 
 @pytest.mark.parametrize("N,k,E,D,dtype", [
