@@ -68,10 +68,10 @@ ROWS = [dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4),  # poin
         dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=8, num_stages=3),
         dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=4, num_stages=4)]
 WEIGHTS = [dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=4),  # pointer loads
-           dict(BM=64, BN=128, BK=256, TMA=True, WS=False, num_warps=8, num_stages=4),
-           dict(BM=64, BN=128, BK=256, TMA=True, WS=True, num_warps=8, num_stages=4),
-           dict(BM=64, BN=128, BK=256, TMA=True, WS=True, num_warps=4, num_stages=4),
-           dict(BM=64, BN=256, BK=128, TMA=True, WS=True, num_warps=4, num_stages=4)]
+           # persistent, per-group TMA descriptors (never warp-specialised: kernels/moe/triton.py)
+           dict(BM=64, BN=128, BK=256, TMA=True, num_warps=8, num_stages=4),
+           dict(BM=64, BN=128, BK=256, TMA=True, num_warps=4, num_stages=4),
+           dict(BM=64, BN=256, BK=128, TMA=True, num_warps=4, num_stages=4)]
 
 
 def tune(D: int, I: int) -> None:

@@ -135,12 +135,14 @@ def _gmm_weights(DY, X, DW, OFFS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: 
 
 @triton.jit
 def _gmm_weights_tma(DY, X, DW, OFFS, N, K, E, TILES_N, TILES_K, NUM_SMS, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, WS: tl.constexpr, PREC: tl.constexpr):
+                     BK: tl.constexpr, PREC: tl.constexpr):
     """``_gmm_weights`` as a persistent kernel: each tile (expert, N block, K block) reads its
     group's rows through descriptors made for that group on the device, whose shape ends at
-    the group's last row (TMA fills the last block past it with zeros: no masks)."""
+    the group's last row (TMA fills the last block past it with zeros: no masks). Not
+    warp-specialised: with that, a bf16 test of a small shape failed on the H200 (2026-12-03, not
+    diagnosed; the descriptors are made per tile inside the loop)."""
     per_e = TILES_N * TILES_K
-    for tile in tl.range(tl.program_id(0), E * per_e, NUM_SMS, flatten=False, warp_specialize=WS):
+    for tile in tl.range(tl.program_id(0), E * per_e, NUM_SMS):
         e = tile // per_e
         pid_n = (tile % per_e) // TILES_K
         pid_k = tile % TILES_K
@@ -223,13 +225,14 @@ def _weights_gemm(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, E: int)
     N, K = dy.shape[1], x.shape[1]
     dW = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
     cfg = _config(x, "weights")
-    tma, ws = _tma_ok(dy, x, N, K, cfg), cfg.pop("WS", False)
+    tma = _tma_ok(dy, x, N, K, cfg)
     cfg.pop("TMA", None)
+    cfg.pop("WS", None)
     tn, tk = triton.cdiv(N, cfg["BN"]), triton.cdiv(K, cfg["BK"])
     if tma:
         triton.set_allocator(_alloc)
         grid = min(_sms(x), E * tn * tk)
-        _gmm_weights_tma[(grid,)](dy, x, dW, offs, N, K, E, tn, tk, grid, WS=ws, PREC=dot_precision(x), **cfg)
+        _gmm_weights_tma[(grid,)](dy, x, dW, offs, N, K, E, tn, tk, grid, PREC=dot_precision(x), **cfg)
     else:
         _gmm_weights[(tn, tk, E)](dy, x, dW, offs, N, K, PREC=dot_precision(x), **cfg)
     return dW
