@@ -65,8 +65,9 @@ def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
 ROWS = [dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4),  # pointer loads, the default before 2026-12-03
         # persistent, TMA descriptors made on the device, warp-specialised (8 warps, 4 stages and
         # 128 x 128 tiles were slower, and without warp specialisation: bench/RESULTS.md)
-        dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=8, num_stages=3),
-        dict(BM=128, BN=256, BK=64, TMA=True, WS=True, num_warps=4, num_stages=4)]
+        # (GROUP: the pointer kernel's, where TMA cannot take the shapes)
+        dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, WS=True, num_warps=8, num_stages=3),
+        dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, WS=True, num_warps=4, num_stages=4)]
 WEIGHTS = [dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=4),  # pointer loads
            # persistent, per-group TMA descriptors (never warp-specialised: kernels/moe/triton.py)
            dict(BM=64, BN=128, BK=256, TMA=True, num_warps=8, num_stages=4),

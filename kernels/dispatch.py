@@ -24,6 +24,12 @@ def dot_precision(t: torch.Tensor) -> str:
     return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
+def sms(t: torch.Tensor) -> int:
+    """The streaming multiprocessors of t's GPU (a persistent grid's size); 4 in Triton's
+    interpreter (CPU tensors)."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 4
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A small host tensor (chunk tables, document offsets) onto ``device`` without a host sync: a
     plain copy from pageable memory waits for the stream, and the queue runs dry at every call."""

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import sms
+
 
 @triton.jit
 def _fwd(v_ptr, w_ptr, h_ptr, lse_ptr, L, N, D, eps, BLOCK_D: tl.constexpr):
@@ -97,8 +99,7 @@ class _DepthAttention(torch.autograd.Function):
         v, w_D, lse = ctx.saved_tensors
         L, N, D = v.shape
         dv = torch.empty_like(v)
-        sms = torch.cuda.get_device_properties(v.device).multi_processor_count if v.is_cuda else 4  # 4: the interpreter
-        programs = max(1, min(N, 4 * sms))
+        programs = max(1, min(N, 4 * sms(v)))
         rows = -(-N // programs) if N else 1
         dw = torch.zeros((programs, D), dtype=torch.float32, device=v.device)
         block = triton.next_power_of_2(D)

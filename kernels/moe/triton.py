@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import dot_precision
+from kernels.dispatch import dot_precision, sms
 from kernels.moe.grouped import mlp
 from kernels.moe.reference import Lora
 
@@ -161,10 +161,6 @@ def _gmm_weights_tma(DY, X, DW, OFFS, N, K, E, TILES_N, TILES_K, NUM_SMS, BM: tl
                  mask=(ns[:, None] < N) & (ks[None, :] < K))
 
 
-def _sms(x: torch.Tensor) -> int:
-    return torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-
-
 def _tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """Each row tile's group (-1: unused) and first row, on the device; the used ones come
     first, their number (a one-element tensor) last."""
@@ -186,13 +182,13 @@ def _alloc(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _tma_ok(a: torch.Tensor, b: torch.Tensor, R: int, C: int, cfg: dict, whole: bool = True) -> bool:
-    """Whether the TMA kernels can take these: Hopper or later, 16-byte row strides (R and C
-    elements) and bases, and ``whole`` (the reduction in whole BK blocks where the kernel needs it)."""
+def _tma_ok(a: torch.Tensor, b: torch.Tensor, R: int, C: int) -> bool:
+    """Whether the TMA kernels can take a [., R] and b [., C]: Hopper or later (or the
+    interpreter), b contiguous, 16-byte row strides and bases."""
     size = a.element_size()
     hopper = not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] >= 9
-    return (cfg.get("TMA", False) and hopper and b.is_contiguous() and (R * size) % 16 == 0
-            and (C * size) % 16 == 0 and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0 and whole)
+    return (hopper and b.is_contiguous() and (R * size) % 16 == 0 and (C * size) % 16 == 0
+            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
 
 
 def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -202,21 +198,22 @@ def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: 
     swe, s1, s2 = W.stride()
     swc, swr = (s2, s1) if transpose else (s1, s2)
     cfg = _config(x, "rows")
-    tma, ws = _tma_ok(x, W, R, C, cfg, not transpose or R % cfg["BK"] == 0), cfg.pop("WS", False)
-    cfg.pop("TMA", None)
+    tma, ws = cfg.pop("TMA", False), cfg.pop("WS", False)
+    # dx's reduction runs down W's rows across experts: whole BK blocks of one expert only
+    tma = tma and _tma_ok(x, W, R, C) and (not transpose or R % cfg["BK"] == 0)
     tile_e, tile_row, n, used = _tiles(offs, M, cfg["BM"])
     y = torch.empty(M, C, dtype=x.dtype, device=x.device)
     if M:
         cols = triton.cdiv(C, cfg["BN"])
         if tma:
             triton.set_allocator(_alloc)
-            grid = min(_sms(x), n * cols)
+            grid = min(sms(x), n * cols)
             cfg.pop("GROUP", None)
             _gmm_rows_tma[(grid,)](x, W, y, tile_e, tile_row, offs, used, M, C, R, W.shape[0], cols, grid,
                                    TRANS=transpose, WS=ws, PREC=dot_precision(x), **cfg)
         else:
             _gmm_rows[(n * cols,)](x, W, y, tile_e, tile_row, offs, C, R, swe, swc, swr, n, cols,
-                                   EVEN_K=R % cfg["BK"] == 0, PREC=dot_precision(x), **{"GROUP": 8, **cfg})
+                                   EVEN_K=R % cfg["BK"] == 0, PREC=dot_precision(x), **cfg)
     return y
 
 
@@ -225,13 +222,11 @@ def _weights_gemm(dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, E: int)
     N, K = dy.shape[1], x.shape[1]
     dW = torch.empty(E, N, K, dtype=x.dtype, device=x.device)
     cfg = _config(x, "weights")
-    tma = _tma_ok(dy, x, N, K, cfg)
-    cfg.pop("TMA", None)
-    cfg.pop("WS", None)
+    tma = cfg.pop("TMA", False) and _tma_ok(dy, x, N, K)
     tn, tk = triton.cdiv(N, cfg["BN"]), triton.cdiv(K, cfg["BK"])
     if tma:
         triton.set_allocator(_alloc)
-        grid = min(_sms(x), E * tn * tk)
+        grid = min(sms(x), E * tn * tk)
         _gmm_weights_tma[(grid,)](dy, x, dW, offs, N, K, E, tn, tk, grid, PREC=dot_precision(x), **cfg)
     else:
         _gmm_weights[(tn, tk, E)](dy, x, dW, offs, N, K, PREC=dot_precision(x), **cfg)

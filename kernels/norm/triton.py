@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import sms
+
 
 @triton.jit
 def _fwd(x_ptr, g_ptr, w_ptr, y_ptr, r_ptr, N, D, eps, GATED: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
@@ -98,8 +100,7 @@ class _Norm(torch.autograd.Function):
         N, D = x2.shape
         gated, need_dw = g2 is not None, ctx.needs_input_grad[2]
         tile = _tile(D)
-        P = max(1, min(triton.cdiv(N, tile["BR"]), 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count
-                       if x2.is_cuda else 64))
+        P = max(1, min(triton.cdiv(N, tile["BR"]), 4 * sms(x2)))
         dx = torch.empty_like(x2)
         dg = torch.empty_like(g2) if gated else dx
         parts = torch.empty(P, D, device=x2.device, dtype=torch.float32) if need_dw else dx

@@ -33,9 +33,9 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch)
     from kernels.moe import triton as fast
     from kernels.moe.triton import gmm
 
-    for which in ("rows", "weights"):
-        monkeypatch.setitem(fast.CONFIG, which, dict(fast.CONFIG[which], TMA=loads != "pointers",
-                                                      WS=loads.endswith("specialised")))
+    tma = loads != "pointers"
+    monkeypatch.setitem(fast.CONFIG, "rows", dict(fast.CONFIG["rows"], TMA=tma, WS=loads.endswith("specialised")))
+    monkeypatch.setitem(fast.CONFIG, "weights", dict(fast.CONFIG["weights"], TMA=tma))
     launches = []
 
     class Counted:  # which GEMMs the TMA kernels ran
