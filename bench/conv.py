@@ -1,5 +1,5 @@
 """KDA's short convolution with SiLU, forward and forward + backward: the Triton kernel
-(kernels/conv/triton.py) against the reference the model ran before it (F.conv1d on transposed
+(kiln_kernels/conv/triton.py) against the reference the model ran before it (F.conv1d on transposed
 views, the slice, SiLU; then q's and k's L2 norm per head in fp32) and, without the norm and when
 its wheel is carried, fla-core's causal_conv1d, in one run.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from bench.cuda_time import pass_row, report
-from kernels.conv import reference
-from kernels.conv import triton as ours
+from kiln_kernels.conv import reference
+from kiln_kernels.conv import triton as ours
 
 BASELINE = "PyTorch reference"
 

@@ -1,4 +1,4 @@
-"""Gated DSA at long sequences, forward + backward: the Triton path (kernels/dsa/triton.py)
+"""Gated DSA at long sequences, forward + backward: the Triton path (kiln_kernels/dsa/triton.py)
 against the PyTorch gather path (dense index scores and torch.topk, gathered keys, einsum, the
 loss on gathered index keys: small unfused ops, run in query chunks so that they fit), and
 against dense causal FlashAttention (torch SDPA) at the same length, in one run.
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.cuda_time import median_ms
-from kernels.dsa import triton as fused
+from kiln_kernels.dsa import triton as fused
 
 
 def timed(fn) -> float:

@@ -1,5 +1,5 @@
 """KDA's chunked gated delta rule, forward and forward + backward: the Triton kernels
-(kernels/kda/triton.py) against fla-core's chunk_kda (its wheel carried to the GPU machine) and
+(kiln_kernels/kda/triton.py) against fla-core's chunk_kda (its wheel carried to the GPU machine) and
 the PyTorch reference, in one run.
 
     python3 -m bench.kda    # 32k and 128k tokens in documents of 8k, 16 and 64 heads, d 128, bf16
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.cuda_time import median_ms
-from kernels.kda import reference
-from kernels.kda import triton as ours
+from kiln_kernels.kda import reference
+from kiln_kernels.kda import triton as ours
 
 
 def inputs(T: int, H: int, d: int, doc: int) -> tuple[dict, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Linear + cross-entropy at LM-head size: time of forward + backward and the memory it adds,
 for the naive loss (full logits, fp32 softmax), Liger's fused linear cross entropy, and ours
-(kernels/loss/triton.py), in one run on the same inputs.
+(kiln_kernels/loss/triton.py), in one run on the same inputs.
 
     python3 -m bench.loss                    # vocab 163840, 32768 tokens, hidden 4096 and 7168, bf16
 
@@ -34,7 +34,7 @@ def liger():
 
 
 def ours(h, W, y):
-    from kernels.loss.triton import linear_cross_entropy
+    from kiln_kernels.loss.triton import linear_cross_entropy
 
     return linear_cross_entropy(h, W, y)
 

@@ -1,6 +1,6 @@
 """MoE experts, forward + backward (gradients of the rows and of the expert weights), at
-realistic shapes: the per-expert loop (kernels/moe/reference.py), torch._grouped_mm
-(kernels/moe/grouped.py, today's CUDA path) and, as the ceiling, one dense bf16 GEMM chain of the
+realistic shapes: the per-expert loop (kiln_kernels/moe/reference.py), torch._grouped_mm
+(kiln_kernels/moe/grouped.py, today's CUDA path) and, as the ceiling, one dense bf16 GEMM chain of the
 same FLOPs, in one run.
 
     python3 -m bench.moe        # tokens 16k / 64k, experts 64 / 256, top-8 / 16, D 2048, I 1024, bf16
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.cuda_time import median_ms
-from kernels.moe import grouped, reference
-from kernels.moe import triton as fused
+from kiln_kernels.moe import grouped, reference
+from kiln_kernels.moe import triton as fused
 
 
 def swiglu(g, u):
@@ -69,7 +69,7 @@ ROWS = [dict(BM=128, BN=256, BK=64, GROUP=8, num_warps=8, num_stages=4),  # poin
         dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, WS=True, num_warps=8, num_stages=3),
         dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, WS=True, num_warps=4, num_stages=4)]
 WEIGHTS = [dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=4),  # pointer loads
-           # persistent, per-group TMA descriptors (never warp-specialised: kernels/moe/triton.py)
+           # persistent, per-group TMA descriptors (never warp-specialised: kiln_kernels/moe/triton.py)
            dict(BM=64, BN=128, BK=256, TMA=True, num_warps=8, num_stages=4),
            dict(BM=64, BN=128, BK=256, TMA=True, num_warps=4, num_stages=4),
            dict(BM=64, BN=256, BK=128, TMA=True, num_warps=4, num_stages=4)]

@@ -1,5 +1,5 @@
 """RMSNorm and the gated RMSNorm, forward and forward + backward: the Triton kernels
-(kernels/norm/triton.py) against the reference the model ran before them (PyTorch ops in fp32),
+(kiln_kernels/norm/triton.py) against the reference the model ran before them (PyTorch ops in fp32),
 in one run.
 
     python3 -m bench.norm    # the hidden norms at 4096 and 7168 wide, KDA's gated norm per head
@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from bench.cuda_time import pass_row, report
-from kernels.norm import reference
-from kernels.norm import triton as ours
+from kiln_kernels.norm import reference
+from kiln_kernels.norm import triton as ours
 
 BASELINE = "PyTorch reference"
 CASES = [("rms_norm", (16384, 4096)), ("rms_norm", (16384, 7168)), ("gated_rms_norm", (16384, 32, 128))]

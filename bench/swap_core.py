@@ -120,7 +120,7 @@ def unwrap(model: HybridForCausalLM) -> None:
 
 def loss_of(model, ids, device) -> torch.Tensor:
     """The next-token loss as engine.trainer computes it: the fused linear + cross-entropy in vocab
-    chunks (kernels.loss), never the full logits."""
+    chunks (kiln_kernels.loss), never the full logits."""
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         loss, _ = model(ids, labels_BT=ids)
     return loss

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.spec import LoraSpec
-from kernels.dispatch import kept
+from kiln_kernels.dispatch import kept
 
 PEFT_PREFIX = "base_model.model."
 
@@ -28,7 +28,7 @@ PEFT_PREFIX = "base_model.model."
 def frozen_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, W, b)`` for a frozen W and b, cast as autocast casts it: the same product and
     the same dx = dy W, through one autograd Function. It saves no activation, and its product goes
-    through ``kernels.dispatch.kept`` as "projection": Swap Core can keep it (``cache_ops:
+    through ``kiln_kernels.dispatch.kept`` as "projection": Swap Core can keep it (``cache_ops:
     projections``) with no dispatch mode, and the recompute then skips the matmul."""
     dt = _autocast_dtype(x)
     x, W, b = (_cast(t, dt) for t in (x, W, b))
@@ -53,7 +53,7 @@ def lora_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, A: tor
     """``F.linear(x, W, b) + F.linear(F.linear(x, A) * scaling, B)`` for a frozen W and b, cast as
     autocast casts it, as one autograd Function with autograd's own products and sums (dx summed in
     x's dtype, the factors' gradients in theirs). The whole output (and A x) goes through
-    ``kernels.dispatch.kept`` as "projection": kept, the recompute skips the base product, both
+    ``kiln_kernels.dispatch.kept`` as "projection": kept, the recompute skips the base product, both
     factor products, the scaling and the sum, and casts x once for the backward."""
     dt = _autocast_dtype(x)
     W, b = (_cast(t, dt) for t in (W, b))
@@ -159,7 +159,7 @@ class ExpertsLoRA(nn.Module):
     merged = False
 
     def factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-        """{projection: (A [E, r, in], B [E, out, r])} for kernels.moe; None while merged."""
+        """{projection: (A [E, r, in], B [E, out, r])} for kiln_kernels.moe; None while merged."""
         if self.merged:
             return None
         return {name: (getattr(self, f"{name}_A"), getattr(self, f"{name}_B")) for name in self.names}

@@ -12,14 +12,14 @@ recomputed from the block's inputs in the backward.
   which then redoes only the cheap ops around them. Two ways in: aten op classes (``mm``, ...)
   through a dispatch mode that sees every op of the block (~10 µs of Python an op, forward and
   recompute), and ``kernels`` (KDA, DSA's attention and indexer loss) at the kernel's own call
-  (``kernels.dispatch.kept``: no cost for other ops). A kernel keeps all its backward saves but
+  (``kiln_kernels.dispatch.kept``: no cost for other ops). A kernel keeps all its backward saves but
   its inputs (KDA: o, the final state, A_qk, (I + A_kk)^-1; DSA: o, lse, the target), so its
   forward never runs twice: most recompute time per byte kept. ``projections`` keeps every LoRA
   projection's output the same way (``engine.lora.lora_linear``: base product, factors, scaling
   and sum in one Function, whose backward needs only its input and A x; a merged projection's
   base product through ``frozen_linear``), ~5-8 µs of recompute per MB at 4096 wide: for the
   host tier, where bytes cost copy bandwidth, not device memory. ``experts`` keeps the grouped
-  experts' output, gate/up product and rank-r LoRA products (kernels.moe.grouped's one Function for
+  experts' output, gate/up product and rank-r LoRA products (kiln_kernels.moe.grouped's one Function for
   frozen expert weights, CUDA): the recompute runs none of their grouped GEMMs. Where a kept
   output lives is the ``tier``:
   ``device`` (device memory), ``host`` (pinned host memory: copied out on a side stream as the
@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from engine.spec import MemorySpec
-from kernels.dispatch import keeping
+from kiln_kernels.dispatch import keeping
 
 aten = torch.ops.aten
 # The op classes a config may name; a class covers the aten ops that compute it.
@@ -77,7 +77,7 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
     "attention": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                   "_scaled_dot_product_cudnn_attention"),
 }
-# Op classes kept at the call (kernels.dispatch.kept names): the Triton kernels' forwards. On a
+# Op classes kept at the call (kiln_kernels.dispatch.kept names): the Triton kernels' forwards. On a
 # CPU the references run instead, plain torch ops: nothing of this class is kept there.
 CALLS: dict[str, tuple[str, ...]] = {"kernels": ("kda", "sparse_attention", "indexer_kl"),
                                      "projections": ("projection",),  # LoRA projections' outputs
@@ -163,7 +163,7 @@ class SwapCore:
         ops, calls = resolve_ops(spec.cache_ops)
         selective = spec.recompute == "selective"
         self.ops = ops if selective else frozenset()  # aten ops, through a dispatch mode
-        self.calls = calls | SELECTIONS if selective else frozenset()  # kernels.dispatch.kept names
+        self.calls = calls | SELECTIONS if selective else frozenset()  # kiln_kernels.dispatch.kept names
         self.budget = (spec.device_budget_mb or 0.0) * 2**20
         self.frames: list[weakref.ref] = []  # blocks of the forward not yet recomputed, in order
         self.live = {"device": 0, "host": 0}  # bytes kept now

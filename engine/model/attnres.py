@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.attnres import depth_attention
+from kiln_kernels.attnres import depth_attention
 
 
 class AttnResQueries(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 from engine.lora import LoRALinear
 
 from engine.model.layers import RMSNorm, doc_starts
-from kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
+from kiln_kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
 
 
 def rope_cos_sin(positions_BT: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

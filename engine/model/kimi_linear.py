@@ -17,8 +17,8 @@ from torch import nn
 
 from engine.model.layers import CausalLM, GatedRMSNorm, RMSNorm, causal_mask, cu_seqlens, f32, rows_end_to_end
 from engine.model.moe import MLP, MoE
-from kernels.conv import short_conv
-from kernels.kda import kda_chunk, kda_gate
+from kiln_kernels.conv import short_conv
+from kiln_kernels.kda import kda_chunk, kda_gate
 
 
 @dataclass

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.norm import gated_rms_norm, rms_norm
+from kiln_kernels.norm import gated_rms_norm, rms_norm
 
 
 def f32(x: torch.Tensor) -> torch.Tensor:
@@ -14,7 +14,7 @@ def f32(x: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """kernels.norm.rms_norm: in fp32, the result in the wider of the weight's and x's dtypes."""
+    """kiln_kernels.norm.rms_norm: in fp32, the result in the wider of the weight's and x's dtypes."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(RMSNorm):
-    """kernels.norm.gated_rms_norm: the norm times sigmoid(gate), in x's dtype."""
+    """kiln_kernels.norm.gated_rms_norm: the norm times sigmoid(gate), in x's dtype."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return gated_rms_norm(x, gate, self.weight, self.eps)
@@ -72,11 +72,11 @@ def cu_seqlens(doc_ids_1T: torch.Tensor) -> torch.Tensor:
 def next_token_loss(head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100,
                     chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean cross-entropy of each next token over the targets (0 without any) and how many of
-    them the argmax gets right. A plain linear head goes through ``kernels.loss`` (token and
+    them the argmax gets right. A plain linear head goes through ``kiln_kernels.loss`` (token and
     vocabulary chunks: never the [tokens, vocab] logits; the Triton kernel on CUDA), its inputs
     in the autocast dtype as the head's own matmul would take them; the argmax is counted chunk by
     chunk without gradients. Any other head (LoRA on it) computes the logits."""
-    from kernels.loss import linear_cross_entropy
+    from kiln_kernels.loss import linear_cross_entropy
 
     h, y = h_BTD[:, :-1].reshape(-1, h_BTD.shape[-1]), labels_BT[:, 1:].reshape(-1)
     target = y != ignore_index

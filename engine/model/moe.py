@@ -13,8 +13,8 @@ from torch import nn
 
 from engine.memory.swap_core import recomputing
 from engine.model.layers import RMSNorm, f32
-from kernels.dispatch import fast
-from kernels.moe import grouped_mlp
+from kiln_kernels.dispatch import fast
+from kiln_kernels.moe import grouped_mlp
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, b1: float = 4.0, b2: float = 25.0) -> torch.Tensor:
@@ -99,7 +99,7 @@ class Experts(nn.Module):
 
     def grouped(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Every expert (an index into this module's tensors) on its rows: the rows come grouped
-        by expert, ``counts_E`` of each (kernels.moe: a loop on the CPU, grouped GEMMs on CUDA)."""
+        by expert, ``counts_E`` of each (kiln_kernels.moe: a loop on the CPU, grouped GEMMs on CUDA)."""
         lora = getattr(self, "lora", None)  # engine.lora.ExpertsLoRA, when fine-tuning the experts
         factors = lora.factors() if lora is not None else None
         return grouped_mlp(x_MD, counts_E, self.gate_up_proj, self.down_proj, self.act, factors,
@@ -113,7 +113,7 @@ class Experts(nn.Module):
         tok = order // idx_NK.shape[1]
         counts = counts_of(flat[order], self.gate_up_proj.shape[0])
         if fast(x_ND):  # Triton: each token sums its k rows in one program (no atomics)
-            from kernels.moe import triton as moe_kernels
+            from kiln_kernels.moe import triton as moe_kernels
 
             inv = torch.empty_like(order)
             inv[order] = torch.arange(order.numel(), device=order.device)

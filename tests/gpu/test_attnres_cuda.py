@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attnres.reference import depth_attention as definition
+from kiln_kernels.attnres.reference import depth_attention as definition
 from tests.interpret import DEVICE, gpu_only, needs_kernels
 from tests.tolerance import rel
 
@@ -19,7 +19,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 @pytest.mark.parametrize("L,B,T,D", [(1, 1, 5, 64), (3, 2, 37, 96), pytest.param(9, 1, 513, 7168, marks=gpu_only),
                                      pytest.param(14, 3, 11, 4096, marks=gpu_only)])
 def test_matches_the_definition(L, B, T, D, dtype):
-    from kernels.attnres.triton import depth_attention
+    from kiln_kernels.attnres.triton import depth_attention
 
     g = torch.Generator(device=DEVICE).manual_seed(L * 1000 + D)
     scale = torch.rand(L, 1, 1, 1, device=DEVICE, generator=g) * 3 + 0.1  # sources of different sizes
@@ -38,7 +38,7 @@ def test_matches_the_definition(L, B, T, D, dtype):
 
 @gpu_only
 def test_dispatch(monkeypatch):
-    import kernels.attnres as attnres
+    import kiln_kernels.attnres as attnres
 
     v = torch.randn(4, 2, 9, 128, device=DEVICE)
     w = torch.randn(128, device=DEVICE)

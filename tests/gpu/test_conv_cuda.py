@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.conv.reference import short_conv as definition
+from kiln_kernels.conv.reference import short_conv as definition
 from tests.interpret import DEVICE, gpu_only, needs_kernels
 from tests.tolerance import rel
 
@@ -33,7 +33,7 @@ def inputs(B: int, T: int, C: int, W: int, dtype, seed: int):
     pytest.param(1, 4099, 4096, 4, [0, 1000, 1001, 3000, 4099], 128, marks=gpu_only),
     pytest.param(3, 513, 384, 4, None, 128, marks=gpu_only)])
 def test_matches_the_definition(B, T, C, W, docs, norm, dtype):
-    from kernels.conv.triton import short_conv
+    from kiln_kernels.conv.triton import short_conv
 
     x, w, dy = inputs(B, T, C, W, dtype, T + C + norm)
     cu = torch.tensor(docs, device=DEVICE) if docs else None
@@ -51,7 +51,7 @@ def test_matches_the_definition(B, T, C, W, docs, norm, dtype):
 
 def test_a_frozen_filter_gets_no_gradient_and_documents_stay_apart():
     """Only dx when the filter is frozen; a change in one document moves nothing in another."""
-    from kernels.conv.triton import short_conv
+    from kiln_kernels.conv.triton import short_conv
 
     x, w, dy = inputs(1, 50, 64, 4, torch.float32, 5)
     w = w.detach()
@@ -67,7 +67,7 @@ def test_a_frozen_filter_gets_no_gradient_and_documents_stay_apart():
 
 @gpu_only
 def test_autocast_takes_bf16_as_conv1d_does():
-    from kernels.conv.triton import short_conv
+    from kiln_kernels.conv.triton import short_conv
 
     x, w, dy = inputs(1, 300, 256, 4, torch.float32, 9)  # an fp32 filter, as the model keeps it unstored
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -80,7 +80,7 @@ def test_autocast_takes_bf16_as_conv1d_does():
 
 @gpu_only
 def test_dispatch(monkeypatch):
-    import kernels.conv as conv
+    import kiln_kernels.conv as conv
 
     x, w, _ = inputs(2, 40, 128, 4, torch.float32, 2)
     fast = conv.short_conv(x, w)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.dsa import reference as R
+from kiln_kernels.dsa import reference as R
 from tests.interpret import DEVICE, gpu_only, needs_kernels
 from tests.tolerance import rel
 
@@ -54,7 +54,7 @@ def indexer_inputs(B, T, J, DH, dtype, seed, exact_dots=False):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,J,DH,topk,packed", INDEX)
 def test_topk_selects_the_best_keys(B, T, J, DH, topk, packed, dtype):
-    from kernels.dsa.triton import indexer_topk
+    from kiln_kernels.dsa.triton import indexer_topk
 
     q, k, w = indexer_inputs(B, T, J, DH, dtype, seed=T)
     st = starts(B, T, packed)
@@ -79,7 +79,7 @@ def test_topk_selects_the_best_keys(B, T, J, DH, topk, packed, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,H,G,D,E,topk,packed", ATTN)
 def test_sparse_attention_matches_the_reference(B, T, H, G, D, E, topk, packed, dtype):
-    from kernels.dsa.triton import indexer_topk, sparse_attention
+    from kiln_kernels.dsa.triton import indexer_topk, sparse_attention
 
     st = starts(B, T, packed)
     idx = indexer_topk(*indexer_inputs(B, T, 4, 16, torch.float32, seed=1), st, topk)
@@ -103,7 +103,7 @@ def test_sparse_attention_matches_the_reference(B, T, H, G, D, E, topk, packed, 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,J,DH,topk,packed", INDEX)
 def test_indexer_loss_matches_the_reference(B, T, J, DH, topk, packed, dtype):
-    from kernels.dsa.triton import indexer_kl_loss, indexer_topk
+    from kiln_kernels.dsa.triton import indexer_kl_loss, indexer_topk
 
     q, k, w = indexer_inputs(B, T, J, DH, dtype, seed=T + 1, exact_dots=True)
     st = starts(B, T, packed)
@@ -130,7 +130,7 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, m
     """Under torch.use_deterministic_algorithms the keys' gradients (attention and indexer loss) are
     summed in a fixed order, in several chunks of queries here: two runs are bit-equal and as close
     to float64 as the atomic sums are (Swap Core's exactness on the GPU is checked this way)."""
-    from kernels.dsa import triton as K
+    from kiln_kernels.dsa import triton as K
 
     monkeypatch.setattr(K, "ORDERED_BYTES", 4 * B * min(T, topk) * 16 * (T // 3))  # chunks: the loss's 3-4, more
     st = starts(B, T, True)
@@ -160,7 +160,7 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, m
 
 
 def test_topk_at_least_the_length_is_dense_causal_attention():
-    from kernels.dsa.triton import indexer_topk, sparse_attention
+    from kiln_kernels.dsa.triton import indexer_topk, sparse_attention
 
     B, T, H, D = 2, 45, 4, 32
     idx = indexer_topk(*indexer_inputs(B, T, 2, 16, torch.float32, seed=3), starts(B, T, False), T)

@@ -1,4 +1,4 @@
-"""The Triton KDA (kernels/kda/triton.py) against the float64 reference on fresh random inputs:
+"""The Triton KDA (kiln_kernels/kda/triton.py) against the float64 reference on fresh random inputs:
 the output, the final state and the gradients of q, k, v, g, beta and the initial state, with
 ragged variable-length batches (sequences shorter than a row block, longer than a chunk), plain
 batches, fp32 and bf16. On a CPU the fp32 cases run through Triton's interpreter
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.kda import reference
+from kiln_kernels.kda import reference
 from tests.interpret import DEVICE, gpu_only, needs_kernels
 from tests.tolerance import rel
 
@@ -33,7 +33,7 @@ def case(B, T, H, K, V, dtype, seed, state, lower_bound=None):
 
 
 def check(x, cu, dtype, N):
-    from kernels.kda import triton as fast
+    from kiln_kernels.kda import triton as fast
 
     o, ht = fast.kda_chunk(**x, cu_seqlens=cu)
     g = torch.Generator(device=DEVICE).manual_seed(7)

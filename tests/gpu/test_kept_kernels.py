@@ -39,7 +39,7 @@ class KDABlock(nn.Module):
         self.gate, self.beta, self.out = nn.Linear(D, H * K), nn.Linear(D, H), nn.Linear(H * V, D)
 
     def forward(self, x):
-        from kernels.kda import triton as fast
+        from kiln_kernels.kda import triton as fast
 
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, self.H, -1).split([self.K, self.K, self.V], -1)
@@ -58,8 +58,8 @@ class DSABlock(nn.Module):
         self.out = nn.Linear(H * E, D)
 
     def forward(self, x):
-        from kernels import dsa
-        from kernels.dsa import triton as fast
+        from kiln_kernels import dsa
+        from kiln_kernels.dsa import triton as fast
 
         B, T, _ = x.shape
         iq, ik, iw = self.iq(x).view(B, T, self.J, self.DH), self.ik(x), self.iw(x)
@@ -94,8 +94,8 @@ def deterministic():
 @pytest.mark.parametrize("block_type,kernels", [(KDABlock, ["_output"]),
                                                 (DSABlock, ["_attn_fwd", "_attn_weights", "_kl_fwd"])])
 def test_kept_kernels_run_once_and_the_gradients_are_bit_equal(block_type, kernels, deterministic, monkeypatch):
-    from kernels.dsa import triton as dsa_kernels
-    from kernels.kda import triton as kda_kernels
+    from kiln_kernels.dsa import triton as dsa_kernels
+    from kiln_kernels.kda import triton as kda_kernels
 
     module = kda_kernels if block_type is KDABlock else dsa_kernels
     got, launches = {}, {}

@@ -26,7 +26,7 @@ def definition(h, W, y):
 @pytest.mark.parametrize("N,D,V", [pytest.param(777, 96, 5003, marks=gpu_only), pytest.param(2048, 256, 32000, marks=gpu_only),
                                    (33, 64, 131)])
 def test_matches_the_definition(N, D, V, dtype):
-    from kernels.loss.triton import linear_cross_entropy
+    from kiln_kernels.loss.triton import linear_cross_entropy
 
     g = torch.Generator(device=DEVICE).manual_seed(N + V)
     h = (torch.randn(N, D, device=DEVICE, generator=g) * 0.5).to(dtype).requires_grad_()
@@ -42,7 +42,7 @@ def test_matches_the_definition(N, D, V, dtype):
 
 
 def test_small_chunks_and_all_ignored(monkeypatch):
-    from kernels.loss import triton as impl
+    from kiln_kernels.loss import triton as impl
 
     monkeypatch.setattr(impl, "CHUNK_BYTES", 64 * 1000 * 4)  # at most 64 rows a chunk: five of 60
     h = torch.randn(300, 32, device=DEVICE, requires_grad=True)
@@ -64,7 +64,7 @@ def test_small_chunks_and_all_ignored(monkeypatch):
 
 @gpu_only
 def test_dispatch_picks_triton_on_cuda_and_reference_when_forced(monkeypatch):
-    import kernels.loss as loss
+    import kiln_kernels.loss as loss
 
     h = torch.randn(64, 32, device=DEVICE)
     W = torch.randn(500, 32, device=DEVICE)
@@ -73,7 +73,7 @@ def test_dispatch_picks_triton_on_cuda_and_reference_when_forced(monkeypatch):
     monkeypatch.setenv("KILN_KERNELS", "reference")
     ref = loss.linear_cross_entropy(h, W, y)
     assert torch.allclose(fast, ref, rtol=1e-5)
-    from kernels.dispatch import fast as use_fast
+    from kiln_kernels.dispatch import fast as use_fast
 
     assert not use_fast(h)
     monkeypatch.setenv("KILN_KERNELS", "auto")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import grouped_mlp, reference
+from kiln_kernels.moe import grouped_mlp, reference
 from tests.tolerance import rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -55,7 +55,7 @@ def test_grouped_matches_the_loop(E, D, I, r):
 
 
 def test_rank_4_falls_back_to_the_loop():
-    from kernels.moe import grouped
+    from kiln_kernels.moe import grouped
 
     x, counts, W1, W2, lora = case(4, 64, 32, 4, 7)
     assert not grouped.usable(x, W1, W2, lora)
@@ -67,7 +67,7 @@ def test_rank_4_falls_back_to_the_loop():
 
 @pytest.mark.parametrize("lora_on", [("gate_up_proj", "down_proj"), ("gate_up_proj",), ()])
 def test_frozen_experts_are_autograds_composition_bit_for_bit(lora_on):
-    from kernels.moe import grouped
+    from kiln_kernels.moe import grouped
 
     x, counts, W1, W2, lora = case(13, 256, 96, 16, 5)
     W1, W2 = W1.detach().bfloat16(), W2.detach().bfloat16()  # frozen, stored bf16 as the trainer does

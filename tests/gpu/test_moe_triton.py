@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.moe import reference
+from kiln_kernels.moe import reference
 from tests.interpret import DEVICE, gpu_only, needs_kernels
 from tests.tolerance import rel
 
@@ -30,8 +30,8 @@ def counts_for(E: int, seed: int, most: int) -> torch.Tensor:
 def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch):
     """Each way of loading the rows kernels' tiles (the TMA kernel takes dx only where the
     reduction N is whole BK blocks: the 128 and 1024 cases)."""
-    from kernels.moe import triton as fast
-    from kernels.moe.triton import gmm
+    from kiln_kernels.moe import triton as fast
+    from kiln_kernels.moe.triton import gmm
 
     tma = loads != "pointers"
     monkeypatch.setitem(fast.CONFIG, "rows", dict(fast.CONFIG["rows"], TMA=tma, WS=loads.endswith("specialised")))
@@ -77,7 +77,7 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch)
     pytest.param(4096, 8, 64, 2048, torch.bfloat16, marks=gpu_only),
     pytest.param(4096, 8, 64, 2048, torch.float32, marks=gpu_only)])
 def test_permute_and_unpermute_match_the_reference(N, k, E, D, dtype):
-    from kernels.moe import triton as fast
+    from kiln_kernels.moe import triton as fast
 
     g = torch.Generator(device=DEVICE).manual_seed(N + D)
     idx = torch.rand(N, E, device=DEVICE, generator=g).topk(k, -1).indices
@@ -103,7 +103,7 @@ def test_permute_and_unpermute_match_the_reference(N, k, E, D, dtype):
 def test_unpermute_keeps_the_routers_fp32_weights():
     """bf16 expert rows with fp32 routing weights, as the engine calls it: fp32 sums and output,
     the weights' gradient in fp32 (not rounded to bf16)."""
-    from kernels.moe import triton as fast
+    from kiln_kernels.moe import triton as fast
 
     g = torch.Generator(device=DEVICE).manual_seed(3)
     N, k, D = 29, 3, 40
@@ -123,7 +123,7 @@ def test_unpermute_keeps_the_routers_fp32_weights():
 @gpu_only
 @pytest.mark.parametrize("E,D,I,r", [(8, 64, 32, 8), (13, 256, 96, 16)])
 def test_experts_with_lora_match_the_loop(E, D, I, r):
-    from kernels.moe import triton as fast
+    from kiln_kernels.moe import triton as fast
     from tests.gpu.test_moe_cuda import case, leaves, situ
 
     x, counts, W1, W2, lora = case(E, D, I, r, E + D + 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.norm import reference
+from kiln_kernels.norm import reference
 from tests.interpret import DEVICE, gpu_only, needs_kernels
 from tests.tolerance import rel
 
@@ -23,7 +23,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
                                            pytest.param((1, 300, 7168), False, marks=gpu_only),
                                            pytest.param((2, 700, 32, 128), False, marks=gpu_only)])
 def test_matches_the_definition(shape, trained, gated, dtype):
-    from kernels.norm import triton as impl
+    from kiln_kernels.norm import triton as impl
 
     g = torch.Generator(device=DEVICE).manual_seed(sum(shape) + gated)
     r = lambda *s, sc=1.0: (torch.randn(*s, device=DEVICE, generator=g) * sc)  # noqa: E731
@@ -46,7 +46,7 @@ def test_matches_the_definition(shape, trained, gated, dtype):
 
 
 def test_no_rows():
-    from kernels.norm import triton as impl
+    from kiln_kernels.norm import triton as impl
 
     x = torch.randn(0, 64, device=DEVICE, requires_grad=True)
     y = impl.rms_norm(x, torch.ones(64, device=DEVICE), 1e-6)
@@ -56,7 +56,7 @@ def test_no_rows():
 
 @gpu_only
 def test_dispatch(monkeypatch):
-    import kernels.norm as norm
+    import kiln_kernels.norm as norm
 
     x, gate = (torch.randn(3, 50, 256, device=DEVICE) for _ in range(2))
     w = torch.rand(256, device=DEVICE)

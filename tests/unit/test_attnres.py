@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.attnres import AttnResQueries, Residuals
-from kernels.attnres import depth_attention
+from kiln_kernels.attnres import depth_attention
 
 
 def test_depth_attention_is_a_softmax_over_rms_normalised_sources():

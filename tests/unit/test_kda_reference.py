@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.kda import kda_chunk, kda_gate, kda_recurrent
+from kiln_kernels.kda import kda_chunk, kda_gate, kda_recurrent
 
 
 def rel(a, b):

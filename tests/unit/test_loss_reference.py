@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.loss import linear_cross_entropy
+from kiln_kernels.loss import linear_cross_entropy
 
 
 def rel(a, b):

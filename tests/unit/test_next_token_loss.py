@@ -1,5 +1,5 @@
 """The models' loss without the full logits (``labels_BT``: ``layers.next_token_loss`` through
-kernels.loss) equals the cross-entropy of their logits: loss, argmax hits and every gradient, for
+kiln_kernels.loss) equals the cross-entropy of their logits: loss, argmax hits and every gradient, for
 each built-in family, with packed rows (the shift stays inside each row), with LoRA on the head
 (the logits path) and with no target at all."""
 from __future__ import annotations

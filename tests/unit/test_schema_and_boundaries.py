@@ -52,3 +52,16 @@ def test_api_starts_without_torch_and_sdk_without_server():
     code = ("import sys, kiln, kiln.cli, kiln.dataset; "
             "bad = [m for m in ('fastapi', 'sqlalchemy', 'torch', 'api') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_our_packages_shadow_no_installed_distribution():
+    """Our top-level names are importable beside every package installed with us: a folder named
+    like another distribution's module (``kernels`` is Hugging Face's, which transformers needs)
+    hides it from everything imported in the same process."""
+    import importlib.metadata
+    import tomllib
+
+    ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]
+    taken = importlib.metadata.packages_distributions()
+    clashes = {name: set(taken.get(name, ())) - {"kiln"} for name in ours}
+    assert {name: others for name, others in clashes.items() if others} == {}

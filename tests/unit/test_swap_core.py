@@ -18,7 +18,7 @@ from engine.memory.swap_core import SwapCore, quantize
 from engine.model.hybrid import HybridForCausalLM
 from engine.model.moe import Router, situ
 from engine.spec import LoraSpec, MemorySpec
-from kernels.moe import grouped
+from kiln_kernels.moe import grouped
 
 OPS = ["mm", "grouped_mm", "kernels"]  # matmuls too: on a CPU the kernels' class has nothing to keep
 LORA = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "o_proj", "down_proj", "q_a_proj", "latent_down"],
@@ -377,7 +377,7 @@ class KeptCall(torch.nn.Module):
         self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
 
     def forward(self, x):
-        from kernels.dispatch import kept
+        from kiln_kernels.dispatch import kept
 
         h = self.a(x)
         inner = kept("kda", lambda: (h.detach() @ h.detach().T).tanh())  # a kernel's forward: no autograd
@@ -401,7 +401,7 @@ def test_a_kept_call_is_kept_whole_not_its_ops_too():
 
 
 class FrozenExperts(torch.nn.Module):
-    """bf16 frozen experts with LoRA on both projections through kernels.moe.grouped's one Function
+    """bf16 frozen experts with LoRA on both projections through kiln_kernels.moe.grouped's one Function
     (the CUDA path; torch's grouped GEMM runs on the CPU too), rows already grouped."""
 
     def __init__(self, lora_on: tuple[str, ...]):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attnres import reference
-from kernels.dispatch import fast
+from kiln_kernels.attnres import reference
+from kiln_kernels.dispatch import fast
 
 
 def depth_attention(sources_LBTD: torch.Tensor, w_D: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     if fast(sources_LBTD, w_D):
-        from kernels.attnres import triton as impl  # imports triton: CUDA machines only
+        from kiln_kernels.attnres import triton as impl  # imports triton: CUDA machines only
     else:
         impl = reference
     return impl.depth_attention(sources_LBTD, w_D, eps)

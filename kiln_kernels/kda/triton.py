@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import dot_precision, kept, to_device
-from kernels.kda.reference import segments
+from kiln_kernels.dispatch import dot_precision, kept, to_device
+from kiln_kernels.kda.reference import segments
 
 C = 64  # chunk
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import dot_precision, kept
+from kiln_kernels.dispatch import dot_precision, kept
 
 NONE = -(2**63)  # the sort key of a key a query may not see
 

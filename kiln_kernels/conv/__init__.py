@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.conv import reference
-from kernels.dispatch import fast
+from kiln_kernels.conv import reference
+from kiln_kernels.dispatch import fast
 
 
 def short_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                head_norm: int = 0) -> torch.Tensor:
     if fast(x_BTC, weight_C1W):
-        from kernels.conv import triton as impl  # imports triton: CUDA machines only
+        from kiln_kernels.conv import triton as impl  # imports triton: CUDA machines only
     else:
         impl = reference
     return impl.short_conv(x_BTC, weight_C1W, cu_seqlens, head_norm)

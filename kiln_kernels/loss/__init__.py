@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import fast
-from kernels.loss import reference
+from kiln_kernels.dispatch import fast
+from kiln_kernels.loss import reference
 
 
 def linear_cross_entropy(h_ND: torch.Tensor, W_VD: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100,
                          token_chunk: int = 4096, vocab_chunk: int = 16384) -> torch.Tensor:
     if fast(h_ND, W_VD):
-        from kernels.loss import triton as impl  # imports triton: CUDA machines only
+        from kiln_kernels.loss import triton as impl  # imports triton: CUDA machines only
     else:
         impl = reference
     return impl.linear_cross_entropy(h_ND, W_VD, labels_N, ignore_index, token_chunk, vocab_chunk)

@@ -8,15 +8,15 @@ from typing import Callable
 
 import torch
 
-from kernels.dispatch import fast
-from kernels.moe import reference
-from kernels.moe.reference import Lora
+from kiln_kernels.dispatch import fast
+from kiln_kernels.moe import reference
+from kiln_kernels.moe.reference import Lora
 
 
 def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
                 act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
     if fast(x_MD):
-        from kernels.moe import grouped
+        from kiln_kernels.moe import grouped
 
         if grouped.usable(x_MD, gate_up_E2ID, down_EDI, lora):
             return grouped.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)

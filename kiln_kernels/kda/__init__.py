@@ -1,19 +1,19 @@
 """KDA, the gated delta rule with a per-channel decay: ``reference.py`` (the definition, CPU)
-and ``triton.py`` (CUDA), one signature; ``kda_chunk`` picks (``kernels.dispatch``)."""
+and ``triton.py`` (CUDA), one signature; ``kda_chunk`` picks (``kiln_kernels.dispatch``)."""
 from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import fast
-from kernels.kda import reference
-from kernels.kda.reference import kda_gate, kda_recurrent
+from kiln_kernels.dispatch import fast
+from kiln_kernels.kda import reference
+from kiln_kernels.kda.reference import kda_gate, kda_recurrent
 
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     if fast(q, k, v, g, beta):
-        from kernels.kda import triton as impl  # imports triton: CUDA machines only
+        from kiln_kernels.kda import triton as impl  # imports triton: CUDA machines only
     else:
         impl = reference
     return impl.kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)

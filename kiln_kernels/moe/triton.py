@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import dot_precision, sms
-from kernels.moe.grouped import mlp
-from kernels.moe.reference import Lora
+from kiln_kernels.dispatch import dot_precision, sms
+from kiln_kernels.moe.grouped import mlp
+from kiln_kernels.moe.reference import Lora
 
 # the best of bench.moe --tune: "rows" for y = x W_e^T and dx = dy W_e (persistent, TMA,
 # warp-specialised; where TMA cannot take the shapes, the pointer kernel with GROUP 8), "weights" for dW_e

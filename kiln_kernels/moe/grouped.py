@@ -6,7 +6,7 @@ row lengths of 16 bytes: every width and the LoRA rank a multiple of 8).
 
 With frozen expert weights (LoRA) both projections are one autograd Function, ``_Experts``: the
 same grouped GEMMs, sums and activation as autograd's composition (``mlp``), but its output, the
-gate/up product and the LoRA's rank-r products go through ``kernels.dispatch.kept`` as "experts":
+gate/up product and the LoRA's rank-r products go through ``kiln_kernels.dispatch.kept`` as "experts":
 Swap Core can keep them (``cache_ops: experts``) and the recompute then runs no grouped GEMM. It
 saves the gate/up product, not the activation: the backward recomputes that (elementwise)."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from kernels.dispatch import kept
-from kernels.moe.reference import Lora
+from kiln_kernels.dispatch import kept
+from kiln_kernels.moe.reference import Lora
 
 
 def usable(x_MD: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor, lora: Lora | None) -> bool:

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.conv.reference import EPS
-from kernels.dispatch import to_device
+from kiln_kernels.conv.reference import EPS
+from kiln_kernels.dispatch import to_device
 
 BT, BC = 32, 128  # a tile: tokens x channels (with the norm: x one group, padded to a power of 2)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import fast
-from kernels.norm import reference
+from kiln_kernels.dispatch import fast
+from kiln_kernels.norm import reference
 
 
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
     if fast(x, weight_D):
-        from kernels.norm import triton as impl  # imports triton: CUDA machines only
+        from kiln_kernels.norm import triton as impl  # imports triton: CUDA machines only
     else:
         impl = reference
     return impl.rms_norm(x, weight_D, eps)
@@ -19,7 +19,7 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
     if fast(x, gate, weight_D):
-        from kernels.norm import triton as impl
+        from kiln_kernels.norm import triton as impl
     else:
         impl = reference
     return impl.gated_rms_norm(x, gate, weight_D, eps)

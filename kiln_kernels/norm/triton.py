@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import sms
+from kiln_kernels.dispatch import sms
 
 
 @triton.jit

@@ -1,17 +1,17 @@
 """DeepSeek Sparse Attention: ``reference.py`` (the definition, CPU) and ``triton.py`` (CUDA), one
-signature; each function picks by device (``kernels.dispatch``)."""
+signature; each function picks by device (``kiln_kernels.dispatch``)."""
 from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import fast, kept
-from kernels.dsa import reference
-from kernels.dsa.reference import allowed_keys, indexer_scores
+from kiln_kernels.dispatch import fast, kept
+from kiln_kernels.dsa import reference
+from kiln_kernels.dsa.reference import allowed_keys, indexer_scores
 
 
 def _impl(*tensors: torch.Tensor):
     if fast(*tensors):
-        from kernels.dsa import triton as impl  # imports triton: CUDA machines only
+        from kiln_kernels.dsa import triton as impl  # imports triton: CUDA machines only
         return impl
     return reference
 

@@ -1,2 +1,0 @@
-"""Kiln's kernels. Each op is a folder with ``reference.py`` (plain PyTorch, readable: the
-definition) and, later, fast versions with the same signature; ``kernels.dispatch`` picks one."""
