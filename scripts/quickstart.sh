@@ -11,7 +11,7 @@ port="${KILN_PORT:-8000}"
 key=$(.venv/bin/kiln-admin create-key --owner quickstart --name quickstart 2>/dev/null)
 mkdir -p "$KILN_HOME/logs"
 .venv/bin/uvicorn --factory api.app:create_app --host 127.0.0.1 --port "$port" --log-level warning \
-  >"$KILN_HOME/logs/api.log" 2>&1 &
+  --timeout-keep-alive 75 >"$KILN_HOME/logs/api.log" 2>&1 &
 api=$!
 .venv/bin/celery -A workers.celery_app worker --pool=solo --loglevel=INFO >"$KILN_HOME/logs/worker.log" 2>&1 &
 worker=$!

@@ -74,7 +74,8 @@ class Stack:
         for owner in ("alice", "bob"):
             self.keys[owner] = self.admin("create-key", "--owner", owner, "--name", "test")
         self.api = self._spawn("api", [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app",
-                                       "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"])
+                                       "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+                                       "--timeout-keep-alive", "75"])
         for _ in range(workers):
             self.start_worker()
         deadline = time.time() + 60
