@@ -10,6 +10,7 @@ Rank 0 writes the loss and the whole (gathered) gradients or parameters to ``--o
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 
 import torch
@@ -90,6 +91,9 @@ def main() -> None:
     p.add_argument("--load")
     p.add_argument("--meta", help="with --load: a model folder; build its model on the meta device, shard, load")
     a = p.parse_args()
+    # A rank's exit code must not depend on the interpreter's finalization (where gloo can abort):
+    # close_mesh skips it, so this handler never runs (torchrun would report -6 if it did).
+    atexit.register(os.abort)
     if os.environ.get("KILN_DETERMINISTIC"):  # GPU comparisons: no atomics, so no routing flips between runs
         torch.use_deterministic_algorithms(True)
     mesh = init_mesh(a.ep)
@@ -103,7 +107,7 @@ def main() -> None:
         out = {"params": full_tensors(model, mesh), "buffers": {n: b.cpu() for n, b in model.named_buffers()}}
         if mesh.rank == 0:
             torch.save(out, a.out)
-        return close_mesh()
+        close_mesh()
     model, data = build(a.mode, seed=1 if a.load else 0)  # a load must overwrite another init
     parallelize(model, mesh)
     trainable = [q for q in model.parameters() if q.requires_grad]
@@ -113,7 +117,7 @@ def main() -> None:
         out = state(model, mesh, opt)
         if mesh.rank == 0:
             torch.save(out, a.out)
-        return close_mesh()
+        close_mesh()
     rows = list(range(mesh.rank, ROWS, mesh.world))
     loss = step_loss(model, data, rows, n_targets(data), mesh.device)
     loss.backward()

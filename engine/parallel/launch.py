@@ -21,7 +21,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from engine.spec import JobSpec, Reporter, Store, TrainResult
 
@@ -147,7 +147,7 @@ def _error(e: dict) -> Exception:
     return {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(e["type"], RuntimeError)(e["message"])
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> NoReturn:
     """One rank, under torchrun. ``run`` passes the events and stop files; by hand (a multi-node
     run) they are optional: without ``--events`` rank 0 prints its reports as JSON lines."""
     import argparse
@@ -175,8 +175,7 @@ def main(argv: list[str]) -> int:
     if mesh.rank == 0:
         reporter._write("result", result=asdict(result))
     close_mesh()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main(sys.argv[1:])
