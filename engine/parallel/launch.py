@@ -133,9 +133,12 @@ def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
                     proc.wait(30)
         if end is not None and end["kind"] == "error":
             raise _error(end)
-        if proc.returncode != 0 or end is None:
-            tail = log.read_text()[-4000:]
+        tail = log.read_text()[-4000:]
+        if end is None:
             raise RuntimeError(f"the parallel run failed (exit code {proc.returncode}):\n{tail}")
+        if proc.returncode != 0:  # rank 0 wrote the result after the adapter was stored: nothing is lost
+            reporter.message(f"a rank failed after the run had finished (exit code {proc.returncode}); "
+                             "the results were stored before, so the job stands", level="warning", data={"log": tail})
         return TrainResult(**end["result"])
 
 
