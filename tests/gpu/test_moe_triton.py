@@ -19,23 +19,32 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 def counts_for(E: int, seed: int, most: int) -> torch.Tensor:
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     c = torch.randint(0, most, (E,), device=DEVICE, generator=g)
-    c[0], c[-1] = 0, 1  # an empty group and a one-row group
+    c[0], c[1], c[-1] = 0, most - 1, 1  # an empty group, a large one (whole row tiles), a one-row group
     return c
 
 
-@pytest.mark.parametrize("loads", ["pointers", "tma", "tma, warp-specialised"])
+# how the TMA kernels load and store: rows (y and dx), weights (dW)
+LOADS = {"pointers": ({}, {}),
+         "tma": ({"TMA": True}, {"TMA": True}),
+         "tma, flat, tma stores": ({"TMA": True, "FLAT": 1, "STORE": 2}, {"TMA": True, "FLAT": 1}),
+         "tma, warp-specialised": ({"TMA": True, "WS": 1, "STORE": 1}, {"TMA": True, "WS": 1})}
+
+
+@pytest.mark.parametrize("loads", list(LOADS))
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
 @pytest.mark.parametrize("E,N,K,most", [(5, 24, 40, 70), (3, 136, 72, 200), (4, 128, 40, 150),
                                          pytest.param(16, 1024, 2048, 700, marks=gpu_only)])
 def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch):
-    """Each way of loading the rows kernels' tiles (the TMA kernel takes dx only where the
-    reduction N is whole BK blocks: the 128 and 1024 cases)."""
+    """Each way of loading and storing the TMA kernels' tiles (the rows kernel takes dx only where
+    the reduction N is whole BK blocks: the 128 and 1024 cases)."""
     from kiln_kernels.moe import triton as fast
     from kiln_kernels.moe.triton import gmm
 
     tma = loads != "pointers"
-    monkeypatch.setitem(fast.CONFIG, "rows", dict(fast.CONFIG["rows"], TMA=tma, WS=loads.endswith("specialised")))
-    monkeypatch.setitem(fast.CONFIG, "weights", dict(fast.CONFIG["weights"], TMA=tma))
+    keys = ("TMA", "WS", "FLAT", "STORE")
+    for which, opts in zip(("rows", "weights"), LOADS[loads]):
+        cfg = {key: value for key, value in fast.CONFIG[which].items() if key not in keys}
+        monkeypatch.setitem(fast.CONFIG, which, {**cfg, **opts})
     launches = []
 
     class Counted:  # which GEMMs the TMA kernels ran
@@ -66,7 +75,42 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch)
     tol = TOL[dtype]
     assert rel(y, want) < tol and rel(x.grad, x64.grad) < tol and rel(W.grad, W64.grad) < tol
     assert (W.grad[0] == 0).all()  # the empty group's weights get no gradient
-    assert launches == ([] if loads == "pointers" else ["y", "dx", "dW"] if N in (128, 1024) else ["y", "dW"])
+    assert set(launches) == (set() if loads == "pointers" else {"y", "dx", "dW"} if N in (128, 1024) else {"y", "dW"})
+
+
+def check_row_tiles(counts: torch.Tensor, BM: int) -> list[int]:
+    """The table's invariants; its bounds."""
+    from kiln_kernels.moe.triton import _tiles
+
+    offs = counts.cumsum(0).to(torch.int32)
+    starts = offs - counts
+    M = int(counts.sum())
+    e, row, n, bounds = _tiles(offs, M, BM)
+    assert n == -(-M // BM) + len(counts)
+    covered = torch.zeros(M, dtype=torch.int32)
+    for t, (g, r) in enumerate(zip(e.tolist(), row.tolist())):
+        if t >= bounds[2]:
+            assert g == -1
+            continue
+        if t < bounds[1]:
+            assert counts[g] >= BM and starts[g] <= r and r + BM <= offs[g]
+        else:
+            assert 0 < counts[g] < BM and r == starts[g]
+        covered[r:min(r + BM, int(offs[g]))] += 1
+    assert (covered >= 1).all()
+    assert int((covered > 1).sum()) == sum(-int(c) % BM for c in counts if c >= BM)  # only the last tiles overlap
+    return bounds.tolist()
+
+
+def test_row_tiles_lie_inside_their_groups():
+    """TMA stores write whole row tiles: each tile of a group of at least BM rows lies inside it
+    (the last one overlapping the one before), together they cover it, and they come first; each
+    smaller group gets one tile after them (stored masked); the rest are unused. The table is
+    built by a kernel in blocks of tiles: here in one block and in many."""
+    counts = torch.tensor([0, 16, 40, 5, 1, 33, 0, 17], device=DEVICE)
+    assert check_row_tiles(counts, 16) == [0, 1 + 3 + 3 + 2, 1 + 3 + 3 + 2 + 2]
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    check_row_tiles(torch.randint(0, 300, (300,), device=DEVICE, generator=g), 128)
 
 
 @pytest.mark.parametrize("N,k,E,D,dtype", [
