@@ -1,7 +1,8 @@
 """MoE experts, forward + backward (gradients of the rows and of the expert weights), at
 realistic shapes: the per-expert loop (kiln_kernels/moe/reference.py), torch._grouped_mm
-(kiln_kernels/moe/grouped.py, today's CUDA path) and, as the ceiling, one dense bf16 GEMM chain of the
-same FLOPs, in one run.
+(kiln_kernels/moe/grouped.py, the engine's CUDA path), the Triton grouped GEMM
+(kiln_kernels/moe/triton.py) and, as the ceiling, one dense bf16 GEMM chain of the same FLOPs, in
+one run.
 
     python3 -m bench.moe        # tokens 16k / 64k, experts 64 / 256, top-8 / 16, D 2048, I 1024, bf16
     python3 -m bench.moe --tune # first the Triton grouped GEMM's configurations, each GEMM alone against
@@ -9,7 +10,7 @@ same FLOPs, in one run.
 
 Rows per expert follow a random router (softmax of Gaussian logits, top-k), so groups are uneven
 as in training. 18 M D I FLOPs a call (M = tokens * k). Median of 5 timed calls after 2.
-Writes bench/results/moe.json.
+Writes bench/results/moe.json (with --tune, every candidate's times and the configuration used).
 """
 from __future__ import annotations
 
@@ -76,9 +77,10 @@ WEIGHTS = [dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=4),  # pointer lo
            dict(BM=64, BN=256, BK=128, TMA=True, WS=1, FLAT=1, num_warps=4, num_stages=4)]
 
 
-def tune(D: int, I: int) -> None:
+def tune(D: int, I: int) -> list[dict]:
     """Each GEMM of the gate/up projection alone (16k tokens, 64 experts, top-8) with each
-    candidate configuration against torch's; CONFIG takes the best rows and weights entries."""
+    candidate configuration against torch's; CONFIG takes the best rows and weights entries.
+    Returns each candidate's times (ms; None where it failed) and torch's."""
     g = torch.Generator(device="cuda").manual_seed(0)
     N, E, k = 16384, 64, 8
     idx = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, -1)[1].flatten()
@@ -94,6 +96,7 @@ def tune(D: int, I: int) -> None:
     theirs = {"y": clock(lambda: grouped.gmm(x, W, offs)), "dx": clock(lambda: torch._grouped_mm(dy, W, offs=offs)),
               "dW": clock(lambda: torch._grouped_mm(dy.T, x, offs=offs))}
     print("torch._grouped_mm ms: " + ", ".join(f"{n} {t:.3f}" for n, t in theirs.items()), flush=True)
+    tried = [{"which": "torch._grouped_mm", "ms": theirs}]
     ours = {"y": lambda: fused._rows_gemm(x, W, offs, False), "dx": lambda: fused._rows_gemm(dy, W, offs, True),
             "dW": lambda: fused._weights_gemm(dy, x, offs, E)}
     for which, cands, gemms in [("rows", ROWS, ["y", "dx"]), ("weights", WEIGHTS, ["dW"])]:
@@ -105,12 +108,15 @@ def tune(D: int, I: int) -> None:
                 ms = {n: clock(ours[n]) for n in gemms}
             except Exception as error:  # too much shared memory, or the compiler refused
                 print(f"{which} {cfg}: failed ({str(error)[:200]})", flush=True)
+                tried.append({"which": which, "config": cfg, "ms": None})
                 continue
+            tried.append({"which": which, "config": cfg, "ms": ms, "error": err})
             print(f"{which} {cfg}: " + ", ".join(f"{n} {t:.3f} ms ({theirs[n] / t:.2f}x torch, error {err[n]:.1e})"
                                                 for n, t in ms.items()), flush=True)
             if sum(ms.values()) < best_ms and max(err.values()) < 1e-2:
                 best, best_ms = cfg, sum(ms.values())
         fused.CONFIG[which] = best
+    return tried
 
 
 def main() -> None:
@@ -124,9 +130,9 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/moe.json")
     a = p.parse_args()
     D, I = a.hidden, a.inter
-    rows, moves = [], []
+    rows, moves, tried = [], [], []
     if a.tune:
-        tune(D, I)
+        tried = tune(D, I)
         print(f"with {fused.CONFIG}\n")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; D={D}, I={I}, bf16, fwd+bwd")
     print("| tokens | experts | top-k | method | ms | TFLOP/s | vs torch._grouped_mm | vs dense |")
@@ -169,7 +175,8 @@ def main() -> None:
               f"{m['torch_ms'] / m['triton_ms']:.2f}x |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                       "hidden": D, "inter": I, "rows": rows, "permute": moves}, indent=2))
+                                       "hidden": D, "inter": I, "rows": rows, "permute": moves, "tune": tried,
+                                       "config": fused.CONFIG}, indent=2))
 
 
 if __name__ == "__main__":
