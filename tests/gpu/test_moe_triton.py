@@ -40,7 +40,6 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch)
     from kiln_kernels.moe import triton as fast
     from kiln_kernels.moe.triton import gmm
 
-    tma = loads != "pointers"
     keys = ("TMA", "WS", "FLAT", "STORE")
     for which, opts in zip(("rows", "weights"), LOADS[loads]):
         cfg = {key: value for key, value in fast.CONFIG[which].items() if key not in keys}
