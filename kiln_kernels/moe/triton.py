@@ -198,6 +198,7 @@ def _tile_table(OFFS, TILE_E, TILE_ROW, BOUNDS, E, n, BM: tl.constexpr, BE: tl.c
     per_w = tl.where(count >= BM, per, 0)  # the whole groups' tiles, then the short groups'
     per_s = per - per_w
     n_w = tl.sum(per_w, 0)
+    n_used = n_w + tl.sum(per_s, 0)
     ends_w = tl.cumsum(per_w, 0)
     ends_s = tl.cumsum(per_s, 0) + n_w
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -209,13 +210,13 @@ def _tile_table(OFFS, TILE_E, TILE_ROW, BOUNDS, E, n, BM: tl.constexpr, BE: tl.c
     first = tl.sum(tl.where(hit, first, 0), 1)
     row = tl.sum(tl.where(hit, start[None, :], 0), 1) + (t - first) * BM
     row = tl.where(w, tl.minimum(row, tl.sum(tl.where(hit, end[None, :], 0), 1) - BM), row)
-    used = t < n_w + tl.sum(per_s, 0)
+    used = t < n_used
     tl.store(TILE_E + t, tl.where(used, e, -1), mask=t < n)
     tl.store(TILE_ROW + t, tl.where(used, row, 0), mask=t < n)
     if tl.program_id(0) == 0:
         tl.store(BOUNDS, 0)
         tl.store(BOUNDS + 1, n_w)
-        tl.store(BOUNDS + 2, n_w + tl.sum(per_s, 0))
+        tl.store(BOUNDS + 2, n_used)
 
 
 def _tiles(offs: torch.Tensor, M: int, BM: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
