@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.model.layers import CausalLM, RMSNorm, causal_mask
+from engine.model.layers import CausalLM, RMSNorm, cu_seqlens, rows_end_to_end
+from kiln_kernels.attention import varlen_attention
 from kiln.tokenizer import ByteTokenizer
 
 
@@ -58,7 +59,8 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
         self.v_proj, self.o_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
 
-    def forward(self, x_BTD: torch.Tensor, mask_BTT: torch.Tensor | None, positions_BT: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cu: torch.Tensor, positions_BT: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention inside each document of the rows laid end to end (``cu``: host offsets)."""
         B, T, D = x_BTD.shape
 
         def heads(t):
@@ -66,11 +68,8 @@ class Attention(nn.Module):
 
         q, k, v = heads(self.q_proj(x_BTD)), heads(self.k_proj(x_BTD)), heads(self.v_proj(x_BTD))
         q, k = rope(q, self.theta, positions_BT), rope(k, self.theta, positions_BT)
-        if mask_BTT is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTT[:, None])
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, D))
+        q, k, v = (t.transpose(1, 2).reshape(B * T, self.H, D // self.H) for t in (q, k, v))
+        return self.o_proj(varlen_attention(q, k, v, cu).reshape(B, T, D))
 
 
 class MLP(nn.Module):
@@ -92,8 +91,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: torch.Tensor, mask_BTT: torch.Tensor | None, positions_BT: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), mask_BTT, positions_BT)
+    def forward(self, x: torch.Tensor, cu: torch.Tensor, positions_BT: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cu, positions_BT)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -161,9 +160,8 @@ class TinyForCausalLM(CausalLM, nn.Module):
         ``doc_ids_BT``
         (packed rows) a token attends only to earlier tokens of its own document."""
         x = self.model.embed_tokens(input_ids_BT)
-        mask = None
-        if doc_ids_BT is not None:
-            mask = causal_mask(input_ids_BT.shape[1], x.device, doc_ids_BT)
+        B, T = input_ids_BT.shape
+        cu = cu_seqlens(rows_end_to_end(doc_ids_BT)) if doc_ids_BT is not None else torch.arange(0, B * T + 1, T)
         slots = input_ids_BT == self.config.image_token_id
         n_slots = int(slots.sum())
         if n_slots:
@@ -173,7 +171,7 @@ class TinyForCausalLM(CausalLM, nn.Module):
             img = self.model.multi_modal_projector(self.model.vision_tower(pixels_NCHW.to(x.dtype)))
             x = x.masked_scatter(slots.unsqueeze(-1), img.reshape(-1, x.shape[-1]).to(x.dtype))
         for layer in self.model.layers:
-            x = layer(x, mask, positions_BT)
+            x = layer(x, cu, positions_BT)
         return self.model.norm(x)
 
 

@@ -11,7 +11,7 @@ recomputed from the block's inputs in the backward.
   the Triton kernels' forwards) are kept from the forward and handed back during the recompute,
   which then redoes only the cheap ops around them. Two ways in: aten op classes (``mm``, ...)
   through a dispatch mode that sees every op of the block (~10 µs of Python an op, forward and
-  recompute), and ``kernels`` (KDA, DSA's attention and indexer loss) at the kernel's own call
+  recompute), and ``kernels`` (KDA, DSA's attention and indexer loss, the full attention's varlen kernels) at the kernel's own call
   (``kiln_kernels.dispatch.kept``: no cost for other ops). A kernel keeps all its backward saves but
   its inputs (KDA: o, the final state, A_qk, (I + A_kk)^-1; DSA: o, lse, the target), so its
   forward never runs twice: most recompute time per byte kept. ``projections`` keeps every LoRA
@@ -79,7 +79,8 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
 }
 # Op classes kept at the call (kiln_kernels.dispatch.kept names): the Triton kernels' forwards. On a
 # CPU the references run instead, plain torch ops: nothing of this class is kept there.
-CALLS: dict[str, tuple[str, ...]] = {"kernels": ("kda", "sparse_attention", "indexer_kl"),
+CALLS: dict[str, tuple[str, ...]] = {"kernels": ("kda", "sparse_attention", "indexer_kl", "attention"),
+                                     "attention": ("attention",),  # kiln_kernels.attention's varlen kernels
                                      "projections": ("projection",),  # LoRA projections' outputs
                                      "experts": ("experts",)}  # frozen grouped experts with LoRA
 # Discrete choices: kept whenever anything is (a few bytes a token), so that the recompute repeats

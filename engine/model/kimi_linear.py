@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import CausalLM, GatedRMSNorm, RMSNorm, causal_mask, cu_seqlens, f32, rows_end_to_end
+from engine.model.layers import CausalLM, GatedRMSNorm, RMSNorm, cu_seqlens, f32, rows_end_to_end
 from engine.model.moe import MLP, MoE
+from kiln_kernels.attention import varlen_attention
 from kiln_kernels.conv import short_conv
 from kiln_kernels.kda import kda_chunk, kda_gate
 
@@ -132,7 +132,8 @@ class KimiDeltaAttention(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention without positional encoding (Kimi Linear's full attention)."""
+    """Multi-head latent attention without positional encoding (Kimi Linear's full attention),
+    causal inside each document of the sequence (``kiln_kernels.attention``: no [T, T] mask)."""
 
     def __init__(self, c: KimiLinearConfig):
         super().__init__()
@@ -145,19 +146,16 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, self.H * (self.nope + self.v), bias=False)
         self.o_proj = nn.Linear(self.H * self.v, D, bias=False)
 
-    def forward(self, x_BTD: torch.Tensor, mask_BTT: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).view(B, T, self.H, -1).transpose(1, 2)
-        latent, k_shared = self.kv_a_proj_with_mqa(x_BTD).split([self.rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, self.H, -1).transpose(1, 2)
+    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """x: one sequence [1, T, D] (rows laid end to end); ``cu_seqlens``: its documents' host offsets."""
+        T = x_1TD.shape[1]
+        q = self.q_proj(x_1TD).view(T, self.H, -1)
+        latent, k_shared = self.kv_a_proj_with_mqa(x_1TD).split([self.rank, self.rope], -1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, self.H, -1)
         k_nope, v = kv.split([self.nope, self.v], -1)
-        k = torch.cat([k_nope, k_shared[:, None].expand(B, self.H, T, self.rope)], -1)
-        scale = (self.nope + self.rope) ** -0.5
-        if mask_BTT is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_BTT[:, None], scale=scale)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        k = torch.cat([k_nope, k_shared.view(T, 1, self.rope).expand(T, self.H, self.rope)], -1)
+        o = varlen_attention(q, k, v, cu_seqlens, scale=(self.nope + self.rope) ** -0.5)
+        return self.o_proj(o.reshape(1, T, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -174,9 +172,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, mask_BTT=None, cu_seqlens=None):
-        h = self.input_layernorm(x)
-        x = x + (self.self_attn(h, mask_BTT) if self.kind == "full_attention" else self.self_attn(h, cu_seqlens))
+    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        x = x_1TD + self.self_attn(self.input_layernorm(x_1TD), cu_seqlens)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -197,19 +194,15 @@ class KimiLinearForCausalLM(CausalLM, nn.Module):
 
     def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """The final norm's output [B, T, D]. With ``doc_ids_BT`` (packed rows) every document
-        starts afresh: the rows are laid end to end as one sequence whose documents are cut at each change of
-        document (a KDA state per document, attention masked across documents). No positions:
-        KDA carries order and the MLA layers use none (NoPE)."""
+        """The final norm's output [B, T, D]. The rows are laid end to end as one sequence, cut
+        into documents: the rows, or with ``doc_ids_BT`` (packed rows) every document, each
+        starting afresh (a KDA state and a convolution per document, attention inside it). No
+        positions: KDA carries order and the MLA layers use none (NoPE)."""
         if pixels_NCHW is not None and pixels_NCHW.numel():
             raise ValueError("Kimi Linear takes no image input")
         B, T = input_ids_BT.shape
-        if doc_ids_BT is not None and B > 1:
-            return self.hidden(input_ids_BT.reshape(1, B * T), None, rows_end_to_end(doc_ids_BT)).view(B, T, -1)
-        x = self.model.embed_tokens(input_ids_BT)
-        mask = cu = None
-        if doc_ids_BT is not None:
-            mask, cu = causal_mask(T, x.device, doc_ids_BT), cu_seqlens(doc_ids_BT)
+        cu = cu_seqlens(rows_end_to_end(doc_ids_BT)) if doc_ids_BT is not None else torch.arange(0, B * T + 1, T)
+        x = self.model.embed_tokens(input_ids_BT.reshape(1, B * T))
         for layer in self.model.layers:
-            x = layer(x, mask, cu)
-        return self.model.norm(x)
+            x = layer(x, cu)
+        return self.model.norm(x).view(B, T, -1)

@@ -32,18 +32,9 @@ class GatedRMSNorm(RMSNorm):
         return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
-def causal_mask(T: int, device: torch.device, doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
-    """Which keys each query sees: earlier tokens, and with ``doc_ids_BT`` (packed rows) only
-    those of its own document. [1 or B, T, T] bool."""
-    mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None]
-    if doc_ids_BT is not None:
-        mask = mask & (doc_ids_BT[:, :, None] == doc_ids_BT[:, None, :])
-    return mask
-
-
 def doc_starts(doc_ids_BT: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
     """The first key each query sees [B, T]: 0, or with ``doc_ids_BT`` (contiguous documents in
-    packed rows) the first token of the query's document. The same keys as ``causal_mask``."""
+    packed rows) the first token of the query's document."""
     if doc_ids_BT is None:
         return torch.zeros(B, T, dtype=torch.long, device=device)
     t = torch.arange(T, device=device).expand(B, T)
