@@ -1,6 +1,7 @@
 """Linear + cross-entropy without the full logits: the reference.
 
     loss = mean over targets of  logsumexp(h_n W^T) - h_n . W[y_n]
+    right = how many targets are the argmax of their logits (first index on ties), no gradient
 
 The forward walks token chunks and, inside each, vocabulary chunks, keeping a running
 logsumexp: memory O(token_chunk * vocab_chunk + N) instead of O(N * V) (at 32k tokens and a 160k
@@ -22,14 +23,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(h_ND.dtype, torch.float32)
         lse = torch.empty(N, dtype=acc, device=h_ND.device)
         target = torch.zeros(N, dtype=acc, device=h_ND.device)
+        arg = torch.zeros(N, dtype=torch.long, device=h_ND.device)
         valid = labels_N != ignore_index
         for t in range(0, N, token_chunk):
             h = h_ND[t:t + token_chunk].to(acc)
             y = labels_N[t:t + token_chunk]
             run = torch.full((h.shape[0],), float("-inf"), dtype=acc, device=h.device)
+            best = torch.full_like(run, float("-inf"))
             for v in range(0, V, vocab_chunk):
                 logits = h @ W_VD[v:v + vocab_chunk].to(acc).t()
                 run = torch.logaddexp(run, torch.logsumexp(logits, -1))
+                top, at = logits.max(-1)
+                better = top > best  # strictly: an earlier chunk keeps a tie
+                best, arg[t:t + token_chunk] = torch.where(better, top, best), torch.where(
+                    better, at + v, arg[t:t + token_chunk])
                 hit = (y >= v) & (y < v + logits.shape[1])
                 rows = hit.nonzero(as_tuple=True)[0]
                 target[t + rows] = logits[rows, y[rows] - v]
@@ -37,10 +44,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = int(valid.sum())
         ctx.save_for_backward(h_ND, W_VD, labels_N, lse, valid)
         ctx.sizes = (token_chunk, vocab_chunk, max(n, 1))
-        return ((lse - target) * valid).sum() / max(n, 1)
+        right = ((arg == labels_N) & valid).sum()
+        ctx.mark_non_differentiable(right)
+        return ((lse - target) * valid).sum() / max(n, 1), right
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _right):
         h_ND, W_VD, labels_N, lse, valid = ctx.saved_tensors
         token_chunk, vocab_chunk, n = ctx.sizes
         acc = lse.dtype
@@ -66,6 +75,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(h_ND: torch.Tensor, W_VD: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100,
-                         token_chunk: int = 4096, vocab_chunk: int = 16384) -> torch.Tensor:
-    """Mean cross-entropy of the logits h @ W^T over the tokens whose label is not ignore_index."""
+                         token_chunk: int = 4096, vocab_chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the logits h @ W^T over the tokens whose label is not ignore_index,
+    and how many of those tokens the argmax gets right (a long, no gradient)."""
     return _LinearCrossEntropy.apply(h_ND, W_VD, labels_N, ignore_index, token_chunk, vocab_chunk)

@@ -2,8 +2,9 @@
 
 Per chunk of C tokens (Legend: N tokens, D hidden, V vocabulary, C chunk):
 1. logits_CV = h_CD W^T (cuBLAS, the inputs' dtype);
-2. one Triton program per row reads its logits twice: an online max / sum gives the logsumexp
-   and the row's loss, then the row is overwritten in place with its gradient,
+2. one Triton program per row reads its logits twice: an online max / sum gives the logsumexp,
+   the row's loss and whether its argmax is the target (the accuracy metric, without a third
+   product with W), then the row is overwritten in place with its gradient,
    (softmax - onehot) / n_targets (0 for ignored rows);
 3. dh_CD = dlogits_CV W (cuBLAS), dW += dlogits^T h_CD (cuBLAS addmm in place, W's dtype).
 The gradients are made in the forward (as Liger does) and scaled by the upstream gradient in the
@@ -21,22 +22,26 @@ BLOCK, WARPS = 8192, 8  # columns a loop step and warps a row: within noise of t
 
 
 @triton.jit
-def _ce_rows(logits_ptr, stride, labels_ptr, loss_ptr, V, ignore_index, inv_n, BLOCK: tl.constexpr):
+def _ce_rows(logits_ptr, stride, labels_ptr, loss_ptr, hit_ptr, V, ignore_index, inv_n, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     y = tl.load(labels_ptr + row)
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
+    arg = tl.zeros((), tl.int64)
     for v in range(0, V, BLOCK):
         cols = v + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, 0))
+        top = tl.max(x, 0)
+        arg = tl.where(top > m, v + tl.argmax(x, 0).to(tl.int64), arg)  # strictly: the first index on ties
+        m_new = tl.maximum(m, top)
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
         m = m_new
     lse = m + tl.log(s)
     valid = y != ignore_index
     x_y = tl.load(base + tl.where(valid, y, 0)).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - x_y, 0.0))
+    tl.store(hit_ptr + row, (valid & (arg == y)).to(tl.int32))
     scale = tl.where(valid, inv_n, 0.0)
     for v in range(0, V, BLOCK):
         cols = v + tl.arange(0, BLOCK)
@@ -59,24 +64,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h_ND, W_VD, labels_N = h_ND.contiguous(), W_VD.contiguous(), labels_N.contiguous()
         n = max(int((labels_N != ignore_index).sum()), 1)
         loss_N = torch.empty(N, dtype=torch.float32, device=h_ND.device)
+        hit_N = torch.empty(N, dtype=torch.int32, device=h_ND.device)
         dh = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
         dW = torch.empty_like(W_VD) if ctx.needs_input_grad[1] else None
         C = _chunk(N, V, h_ND.element_size())
         for t in range(0, N, C):
             h = h_ND[t:t + C]
             logits = h @ W_VD.t()
-            _ce_rows[(h.shape[0],)](logits, logits.stride(0), labels_N[t:t + C], loss_N[t:t + C], V, ignore_index,
-                                    1.0 / n, BLOCK=BLOCK, num_warps=WARPS)
+            _ce_rows[(h.shape[0],)](logits, logits.stride(0), labels_N[t:t + C], loss_N[t:t + C], hit_N[t:t + C], V,
+                                    ignore_index, 1.0 / n, BLOCK=BLOCK, num_warps=WARPS)
             if dh is not None:
                 torch.mm(logits, W_VD, out=dh[t:t + C])
             if dW is not None:  # accumulated in W's dtype, in place (as Liger does): no V x D temporary
                 torch.addmm(dW, logits.t(), h, beta=1.0 if t else 0.0, out=dW)
         ctx.save_for_backward(dh, dW)
         ctx.done = False
-        return loss_N.sum() / n
+        right = hit_N.sum(dtype=torch.long)
+        ctx.mark_non_differentiable(right)
+        return loss_N.sum() / n, right
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _right):
         if ctx.done:
             raise RuntimeError("linear_cross_entropy's backward runs once: its gradients are made in the forward")
         ctx.done = True
@@ -88,8 +96,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(h_ND: torch.Tensor, W_VD: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100,
-                         token_chunk: int = 4096, vocab_chunk: int = 16384) -> torch.Tensor:
-    """Mean cross-entropy of the logits h @ W^T over the tokens whose label is not ignore_index.
+                         token_chunk: int = 4096, vocab_chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy of the logits h @ W^T over the tokens whose label is not ignore_index,
+    and the count of those whose argmax is the label (``reference.linear_cross_entropy``).
     The chunk arguments are the reference's; here the token chunk follows from the vocabulary
     (CHUNK_BYTES) and each row's logits are taken whole."""
     return _LinearCrossEntropy.apply(h_ND, W_VD, labels_N, ignore_index, token_chunk, vocab_chunk)
