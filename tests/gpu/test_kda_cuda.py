@@ -84,6 +84,33 @@ def test_batch_matches_the_reference(B, T, H, K, V, dtype):
     check(case(B, T, H, K, V, dtype, B * T, True), None, dtype, B)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
+@pytest.mark.parametrize("lower_bound,bias,trained", [(None, True, True), (-5.0, True, True), (-5.0, False, False),
+                                                      (None, True, False)])
+def test_the_gate_matches_the_reference(lower_bound, bias, trained, dtype):
+    """kiln_kernels/kda/gate.py: g and the gradients of g_raw, A_log and dt_bias (when they train)
+    against the float64 definition; g_raw spans softplus's threshold (|x| up to ~25)."""
+    from kiln_kernels.kda import gate
+
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=g)  # noqa: E731
+    raw = (r(2, 37, 3, 20) * 8).to(dtype).requires_grad_()
+    A = (r(3) * 0.5).requires_grad_(trained)
+    b = (r(3, 20) * 0.5).requires_grad_(trained) if bias else None
+    out = gate.kda_gate(raw, A, b, lower_bound)
+    dg = r(*out.shape)
+    out.backward(dg)
+    ins = [t.detach().double().requires_grad_(t.requires_grad) if t is not None else None for t in (raw, A, b)]
+    want = reference.kda_gate(*ins, lower_bound)
+    want.backward(dg.double())
+    assert out.dtype == torch.float32 and rel(out, want) < 1e-5  # fp32 math from the same inputs
+    assert raw.grad.dtype == dtype and rel(raw.grad, ins[0].grad) < TOL[dtype]
+    if trained:
+        assert rel(A.grad, ins[1].grad) < 1e-5 and (b is None or rel(b.grad, ins[2].grad) < 1e-5)
+    else:
+        assert A.grad is None
+
+
 @gpu_only
 @pytest.mark.parametrize("autocast", [False, True])
 def test_dispatch_and_the_model(autocast, monkeypatch):
