@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.model.layers import CausalLM, RMSNorm, cu_seqlens, rows_end_to_end
+from engine.model.layers import CausalLM, RMSNorm, autocast_input, cu_seqlens, rows_end_to_end
 from kiln_kernels.attention import varlen_attention
 from kiln.tokenizer import ByteTokenizer
 
@@ -62,6 +62,7 @@ class Attention(nn.Module):
     def forward(self, x_BTD: torch.Tensor, cu: torch.Tensor, positions_BT: torch.Tensor | None) -> torch.Tensor:
         """Causal attention inside each document of the rows laid end to end (``cu``: host offsets)."""
         B, T, D = x_BTD.shape
+        x_BTD = autocast_input(x_BTD)
 
         def heads(t):
             return t.view(B, T, self.H, D // self.H).transpose(1, 2)

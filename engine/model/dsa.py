@@ -23,7 +23,7 @@ from torch import nn
 
 from engine.lora import LoRALinear
 
-from engine.model.layers import RMSNorm, doc_starts
+from engine.model.layers import RMSNorm, autocast_input, doc_starts
 from kiln_kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
 
 
@@ -94,6 +94,7 @@ class GatedDSAttention(nn.Module):
     def forward(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor | None = None,
                 doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
+        x_BTD = autocast_input(x_BTD)
         pos = positions_BT if positions_BT is not None else torch.arange(T, device=x_BTD.device).expand(B, T)
         starts = doc_starts(doc_ids_BT, B, T, x_BTD.device)
         q_resid = self.q_a_layernorm(self.q_a_proj(x_BTD))

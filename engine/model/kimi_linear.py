@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from engine.model.layers import CausalLM, GatedRMSNorm, RMSNorm, cu_seqlens, f32, rows_end_to_end
+from engine.model.layers import CausalLM, GatedRMSNorm, RMSNorm, autocast_input, cu_seqlens, f32, rows_end_to_end
 from engine.model.moe import MLP, MoE
 from kiln_kernels.attention import varlen_attention
 from kiln_kernels.conv import short_conv
@@ -117,6 +117,7 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
+        x_BTD = autocast_input(x_BTD)  # read by eight projections
         # q's channels, k's, v's convolved apart (no concatenated copy); q and k L2-normalised per
         # head in fp32 (fla's form), all three in the activations' dtype (bf16 under autocast: the
         # kernel's products on bf16 tensor cores); the state, the decay and every sum stay fp32
@@ -149,6 +150,7 @@ class MLAttention(nn.Module):
     def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """x: one sequence [1, T, D] (rows laid end to end); ``cu_seqlens``: its documents' host offsets."""
         T = x_1TD.shape[1]
+        x_1TD = autocast_input(x_1TD)
         q = self.q_proj(x_1TD).view(T, self.H, -1)
         latent, k_shared = self.kv_a_proj_with_mqa(x_1TD).split([self.rank, self.rope], -1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, self.H, -1)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.memory.swap_core import recomputing
-from engine.model.layers import RMSNorm, f32
+from engine.model.layers import RMSNorm, autocast_input, f32
 from kiln_kernels.dispatch import fast
 from kiln_kernels.moe import grouped_mlp
 
@@ -37,6 +37,7 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = autocast_input(x)
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -82,3 +82,17 @@ def test_lora_on_the_head_and_no_targets(model):
         assert rel(got[2][n], want[2][n]) < 1e-10, n
     loss, right = m(ids, None, docs, labels_BT=torch.full_like(labels, IGNORE))
     assert float(loss.detach()) == 0.0 and int(right) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_autocast_input_casts_as_autocast_would(dtype):
+    """One cast up front gives a linear the input autocast would give it: fp32 to bf16, float64
+    (the checks) and bf16 as they are."""
+    from engine.model.layers import autocast_input
+
+    x, W = torch.randn(5, 8).to(dtype), torch.randn(3, 8).to(dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        once = autocast_input(x)
+        assert torch.equal(torch.nn.functional.linear(once, W), torch.nn.functional.linear(x, W))
+    assert once.dtype == (torch.bfloat16 if dtype == torch.float32 else dtype)
+    assert autocast_input(x) is x  # autocast off: untouched
