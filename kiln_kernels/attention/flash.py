@@ -8,10 +8,16 @@ No [T, S] mask anywhere: each kernel walks only the key blocks of the query's ow
   output columns are zero and are dropped). 16-bit inputs only.
 - ``efficient``: the memory-efficient (CUTLASS) kernels, any head dims, fp32 too; the causal
   mask aligned to the bottom right (``custom_mask_type`` 2), as flash's is.
+- ``sdpa``: where every document has as many queries as keys and all have one length (one
+  document; rows of equal documents), the documents as a batch through
+  ``F.scaled_dot_product_attention(is_causal=True)``, which takes cuDNN's Hopper kernels for 16-bit
+  inputs and any head dims: 2.6x flash's backward at MLA's shape, 8k tokens, on the H200 (the
+  transformers run of bench/e2e.py used them; bench/RESULTS.md). Other layouts go to ``flash``.
 
-``BF16_BACKEND`` is the one 16-bit inputs take, chosen by ``bench/attention.py`` on the H200
-(bench/RESULTS.md); fp32 takes ``efficient``. A kernel's forward is kept by Swap Core as the other
-kernels' are (``kept("attention")``): the recompute never runs it again.
+``BF16_BACKEND`` is the one 16-bit inputs take (bench/attention.py and bench/e2e.py on the H200,
+bench/RESULTS.md); fp32 takes ``efficient``. The varlen kernels' forwards are kept by Swap Core as
+the other kernels' are (``kept("attention")``): the recompute never runs them again; SDPA's is an
+aten op (Swap Core's ``attention`` class).
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import torch.nn.functional as F
 from kiln_kernels.dispatch import kept, to_device
 
 aten = torch.ops.aten
-BF16_BACKEND = "flash"
+BF16_BACKEND = "sdpa"
 
 
 def _offsets(cu: torch.Tensor, device) -> tuple[torch.Tensor, int]:
@@ -84,7 +90,22 @@ class _Efficient(torch.autograd.Function):
         return dq[0], dk[0], dv[0], None, None, None, None, None
 
 
-BACKENDS = {"flash": _Flash, "efficient": _Efficient}
+def _uniform(cu_q: torch.Tensor, cu_k: torch.Tensor) -> int | None:
+    """The one length of every document when all have it, queries and keys alike; else None."""
+    if not torch.equal(cu_q, cu_k) or len(cu_q) < 2:
+        return None
+    lengths = cu_q.diff()
+    L = int(lengths[0])
+    return L if L > 0 and bool((lengths == L).all()) else None
+
+
+def _sdpa(q, k, v, L: int, scale: float) -> torch.Tensor:
+    """Documents of L tokens each as a batch [N, H, L, .] through SDPA, causal."""
+    q, k, v = (x.unflatten(0, (-1, L)).transpose(1, 2) for x in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2).flatten(0, 1)
+
+
+BACKENDS = {"flash": _Flash, "efficient": _Efficient, "sdpa": None}
 
 
 def varlen_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHE: torch.Tensor, cu_q: torch.Tensor,
@@ -97,6 +118,12 @@ def varlen_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHE: torch.Tens
     if backend is None:
         backend = BF16_BACKEND if q_THD.dtype in (torch.bfloat16, torch.float16) else "efficient"
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = (x.to(q_THD.dtype) for x in (q_THD, k_SHD, v_SHE))
+    if backend == "sdpa":
+        L = _uniform(cu_q.cpu(), cu_k.cpu())
+        if L is not None:
+            return _sdpa(q, k, v, L, scale)
+        backend = "flash"
     (dq, max_q), (dk, max_k) = _offsets(cu_q, q_THD.device), _offsets(cu_k, q_THD.device)
-    q, k, v = (x.to(q_THD.dtype).contiguous() for x in (q_THD, k_SHD, v_SHE))
+    q, k, v = (x.contiguous() for x in (q, k, v))
     return BACKENDS[backend].apply(q, k, v, dq, dk, max_q, max_k, scale)

@@ -46,6 +46,9 @@ def test_per_document_matches_the_definition(cu_q, cu_k, D, E, dtype):
     assert o.shape == (cu_q[-1], 3, E) and o.dtype == dtype
     assert rel(o, want) < TOL[dtype]
     for got, ref in ((q.grad, q64.grad), (k.grad, k64.grad), (v.grad, v64.grad)):
+        if not ref.any():  # a one-token document: its key's gradient is exactly 0 (a softmax of one score)
+            assert got.norm() < TOL[dtype] * do.float().norm()  # rounding only
+            continue
         assert rel(got, ref) < TOL[dtype]
 
 
