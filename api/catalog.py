@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from kiln.dataset import Example
+from kiln.dataset import Example, LengthBound
 from kiln.tokenizer import chat_template, encode_chat, load_tokenizer
 
 LLAMA_STYLE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -19,22 +19,36 @@ KIMI_LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "b_proj", "g_a_pr
                        "f_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj")
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
-# experts: routed experts per MoE layer (parallel.ep_size must divide it). image_tokens None: a text-only model. tokens_per_second only feeds the report's time estimate:
+# experts: routed experts per MoE layer (parallel.ep_size must divide it). image_tokens None: a text-only model.
+# position_limit: the longest sequence the model's positions allow (kiln-tiny's max_position_embeddings, the
+# hybrid's RoPE max_seq_len); None: no limit (Kimi Linear: KDA and NoPE attention), any length that fits.
+# tokens_per_second only feeds the report's time estimate:
 # kiln-tiny's was measured (above); the two others are rough guesses for the reference kernels on
 # the 2-core VM, not measurements.
 BASE_MODELS: dict[str, dict] = {
     "kiln-tiny": {"created": 1764633600, "targets": LLAMA_STYLE_TARGETS, "default_targets": LLAMA_STYLE_TARGETS,
-                  "parameters": (), "experts": 0, "max_seq_len": 2048, "image_tokens": 16, "tokens_per_second": 4000},
+                  "parameters": (), "experts": 0, "position_limit": 2048, "image_tokens": 16, "tokens_per_second": 4000},
     "kimi-linear-tiny": {"created": 1796256000, "targets": KIMI_LINEAR_TARGETS,
                          "default_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                         "parameters": EXPERT_PARAMETERS, "experts": 8, "max_seq_len": 4096, "image_tokens": None,
+                         "parameters": EXPERT_PARAMETERS, "experts": 8, "position_limit": None, "image_tokens": None,
                          "tokens_per_second": 1000},
     "kiln-hybrid-tiny": {"created": 1796256000, "targets": KIMI_LINEAR_TARGETS + ("q_a_proj", "q_b_proj", "g_proj"),
                          "default_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "gate_proj",
                                              "up_proj", "down_proj"),
-                         "parameters": EXPERT_PARAMETERS, "experts": 4, "max_seq_len": 4096, "image_tokens": 16,
+                         "parameters": EXPERT_PARAMETERS, "experts": 4, "position_limit": 4096, "image_tokens": 16,
                          "tokens_per_second": 500},
 }
+
+
+def length_bound(model: str, requested: int | None, param: str = "hyperparameters.max_seq_len") -> LengthBound:
+    """The job's bound on example length (kiln.dataset.LengthBound); a ``max_seq_len`` over the
+    model's position limit is a 400 naming both."""
+    from api.errors import ApiError
+
+    try:
+        return LengthBound(model, BASE_MODELS[model]["position_limit"], requested)
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param=param, code="max_seq_len_too_large") from e
 
 
 def tokenizer_for(model: str, store_models: Path):

@@ -14,7 +14,7 @@ from PIL import Image
 
 from api.errors import ApiError
 from api.settings import Settings
-from kiln.dataset import DatasetError, DatasetSource, Issue, Report, validate
+from kiln.dataset import DatasetError, DatasetSource, Issue, LengthBound, Report, validate
 
 
 def image_problem(data: bytes, max_pixels: int) -> str | None:
@@ -54,9 +54,9 @@ def check_archive(path: Path, settings: Settings) -> None:
 
 
 def check_dataset(source: DatasetSource, settings: Settings, check_paths: bool,
-                  tokenize=None, max_tokens: int | None = None) -> Report:
+                  tokenize=None, length: LengthBound | None = None) -> Report:
     """Validate every line; with ``check_paths`` every image must exist and decode; with
-    ``tokenize`` (see kiln.dataset.validate) count tokens and flag examples over ``max_tokens``."""
+    ``tokenize`` (see kiln.dataset.validate) count tokens and flag examples over ``length``."""
 
     def check_image(ref: str) -> str | None:
         if not ref.startswith("data:") and not check_paths:
@@ -66,7 +66,7 @@ def check_dataset(source: DatasetSource, settings: Settings, check_paths: bool,
         return image_problem(source.read_image(ref), settings.max_image_pixels)
 
     return validate(source.lines(settings.max_line_bytes), check_image, settings.max_line_bytes,
-                    tokenize=tokenize, max_tokens=max_tokens)
+                    tokenize=tokenize, length=length)
 
 
 def open_source(data: Path, images: Path | None, param: str) -> DatasetSource:

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from api import catalog, queue
 from api.datasets import check_dataset, open_source, raise_if_bad
-from kiln.dataset import Report
+from kiln.dataset import LengthBound, Report
 from api.errors import ApiError, not_found
 from api.models import TERMINAL_STATES, Checkpoint, File, IdempotencyRecord, Job, JobEvent, now
 from api.schemas import JobCreate, LoraSettings
@@ -98,23 +98,24 @@ def _dataset_file(session: Session, owner: str, file_id: str | None, param: str,
 
 
 def dataset_report(store: LocalStore, settings: Settings, f: File, images: File | None, model: str,
-                   max_len: int, param: str = "file") -> Report:
+                   length: LengthBound, param: str = "file") -> Report:
     """One pass over a dataset: every line checked, every image opened, tokens counted with the
-    model's tokenizer, examples over ``max_len`` tokens flagged."""
+    model's tokenizer, examples over ``length`` flagged with what would fit."""
     source = open_source(store.object_path(f.sha256), store.object_path(images.sha256) if images else None, param)
     try:
         return check_dataset(source, settings, check_paths=True,
-                             tokenize=catalog.token_counter(model, store.root / "models"), max_tokens=max_len)
+                             tokenize=catalog.token_counter(model, store.root / "models"), length=length)
     finally:
         source.close()
 
 
-def report_public(report: Report, f: File, model: str, max_len: int, n_epochs: int) -> dict[str, Any]:
+def report_public(report: Report, f: File, model: str, length: LengthBound, n_epochs: int) -> dict[str, Any]:
     stats = report.stats()
     training = (stats.get("tokens") or 0) * n_epochs
     return {"object": "dataset.report", "file_id": f.id, "model": model, "ok": report.ok,
             "issues": [{"line": i.line, "field": i.field, "message": i.message} for i in report.issues],
-            "issues_truncated": report.truncated, "max_seq_len": max_len, "stats": stats,
+            "issues_truncated": report.truncated, "max_seq_len": length.bound,
+            "position_limit": length.limit, "stats": stats,
             "estimate": {"n_epochs": n_epochs, "training_tokens": training,
                          "seconds": round(training / catalog.BASE_MODELS[model]["tokens_per_second"], 1)}}
 
@@ -143,10 +144,10 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
     train = _dataset_file(session, owner, req.training_file, "training_file", ("jsonl", "zip"))
     valid = _dataset_file(session, owner, req.validation_file, "validation_file", ("jsonl", "zip"))
     images = _dataset_file(session, owner, req.images_file, "images_file", ("zip",))
-    max_len = hp.get("max_seq_len") or catalog.BASE_MODELS[req.model]["max_seq_len"]
+    length = catalog.length_bound(req.model, hp.get("max_seq_len"))
     for f, param in ((train, "training_file"), (valid, "validation_file")):
         if f is not None:
-            report = dataset_report(store, settings, f, images, req.model, max_len, param)
+            report = dataset_report(store, settings, f, images, req.model, length, param)
             raise_if_bad(report, param, f"{param} {f.id}")
 
     job = Job(owner=owner, model=req.model, training_file=train.id, validation_file=valid.id if valid else None,

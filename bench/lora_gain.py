@@ -21,6 +21,7 @@ import torch
 import engine
 from engine.data import Dataset
 from engine.generate import answer
+from kiln.dataset import LengthBound
 from engine.trainer import evaluate
 from engine.lora import apply_lora, load_adapter
 from engine.models import load_base
@@ -56,7 +57,8 @@ def validation_loss(model, folder: Path, data: Path, work: Path) -> float:
     """The trainer's own validation loss, for a model as it is."""
     tok = load_tokenizer(folder)
     tpl = chat_template(tok)
-    ds = Dataset(data, SAMPLE / "images.zip", tok, tpl, model.image_size, model.image_tokens, 2048, work)
+    ds = Dataset(data, SAMPLE / "images.zip", tok, tpl, model.image_size, model.image_tokens,
+                 LengthBound("kiln-tiny", 2048), work)
     try:
         return evaluate(model, ds, list(range(len(ds))), 8, tpl.pad_id, 2048, torch.device("cpu"))["valid_loss"]
     finally:

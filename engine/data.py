@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from kiln.dataset import DatasetError, DatasetSource, Issue, bounded_lines, parse_line
+from kiln.dataset import DatasetError, DatasetSource, Issue, LengthBound, bounded_lines, parse_line
 from kiln.tokenizer import ChatTemplate, Tokenizer, encode_chat
 
 IGNORE = -100
@@ -82,10 +82,11 @@ def image_tensor(data: bytes, size: int) -> torch.Tensor:
 
 class Dataset:
     """A JSONL dataset (or the JSONL inside a zip, copied out once to ``workdir`` so it can be
-    seeked), indexed in one pass. Raises DatasetError naming line and field for bad examples."""
+    seeked), indexed in one pass. Raises DatasetError naming line and field for bad examples
+    (one over ``length``'s bound among them, with what would fit)."""
 
     def __init__(self, path: str | Path, images: str | Path | None, tok: Tokenizer, tpl: ChatTemplate,
-                 image_size: int, image_tokens: int | None, max_seq_len: int, workdir: Path,
+                 image_size: int, image_tokens: int | None, length: LengthBound, workdir: Path,
                  cache: ImageCache | None = None):
         self.tok, self.tpl, self.image_tokens = tok, tpl, image_tokens
         self.source = DatasetSource(Path(path), Path(images) if images else None)
@@ -116,8 +117,9 @@ class Dataset:
                 except ValueError as e:
                     issues.append(Issue(n, "images", str(e)))
                     continue
-                if len(ids) > max_seq_len:
-                    issues.append(Issue(n, "messages", f"example is {len(ids)} tokens, over max_seq_len {max_seq_len}"))
+                too_long = length.problem(len(ids))
+                if too_long:
+                    issues.append(Issue(n, "messages", too_long))
                     continue
                 for k, ref in enumerate(ex.images):
                     if not self.source.has_image(ref):

@@ -158,6 +158,18 @@ def build_meta(folder: Path) -> nn.Module:
     raise ValueError(f"{folder}: model_type {kind!r} is not supported; supported: {', '.join(LOADERS)}")
 
 
+def position_limit(model: nn.Module) -> int | None:
+    """The longest sequence a model's positions allow; None: no limit (Kimi Linear, and a hybrid
+    whose attention has no RoPE, as K3's: KDA carries order), any length that fits. The API's
+    catalog holds the same numbers for the built-in models (tested)."""
+    c = model.config
+    if isinstance(c, TinyConfig):
+        return c.max_position_embeddings
+    if isinstance(c, ModelConfig):
+        return c.max_seq_len if c.dsa.rope else None
+    return None
+
+
 def load_base(folder: Path) -> nn.Module:
     kind = json.loads((folder / "config.json").read_text()).get("model_type")
     if kind not in LOADERS:

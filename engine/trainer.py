@@ -25,11 +25,11 @@ from engine.memory import apply_swap_core
 from engine.spec import JobSpec, Reporter, Store, TrainResult
 from engine.config import ModelConfig, count_parameters
 from engine.model.moe import Router
-from engine.models import ensure_builtin, load_base, save_base
+from engine.models import ensure_builtin, load_base, position_limit, save_base
+from kiln.dataset import LengthBound
 from kiln.tokenizer import chat_template, load_tokenizer
 
 BASE_LR = {"lora": 2e-3, "full": 1e-3}  # measured on kiln-tiny with the sample data; the multiplier scales it
-DEFAULT_MAX_LEN = 4096  # for models without a position limit (Kimi Linear: KDA + NoPE attention)
 
 
 @dataclass
@@ -293,20 +293,21 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path, mesh=Non
     cfg = model.config
     tok = load_tokenizer(model_dir)
     tpl = chat_template(tok)
-    longest = getattr(cfg, "max_position_embeddings", DEFAULT_MAX_LEN)
-    max_len = min(spec.max_seq_len or longest, longest)
-    pack_to = max_len if spec.packing else None
+    length = LengthBound(spec.model, position_limit(model), spec.max_seq_len)  # the API's rule (kiln.dataset)
     image_size, image_tokens = getattr(model, "image_size", 0), getattr(model, "image_tokens", None)  # None: text only
 
     reporter.message("Indexing the dataset")
     cache = ImageCache(image_size)
-    train_set = Dataset(spec.training_file, spec.images_file, tok, tpl, image_size, image_tokens, max_len, work, cache)
+    train_set = Dataset(spec.training_file, spec.images_file, tok, tpl, image_size, image_tokens, length, work, cache)
     train_idx, valid_idx = split(len(train_set), spec.validation_split, spec.seed)
     valid_set = train_set
     if spec.validation_file:
         valid_set = Dataset(spec.validation_file, spec.images_file, tok, tpl, image_size, image_tokens,
-                            max_len, work, cache)
+                            length, work, cache)
         valid_idx = list(range(len(valid_set)))
+    # rows of the job's bound; without one (no position limit, no max_seq_len) of the longest example
+    max_len = length.bound or max(max(d.lengths) for d in {train_set, valid_set})
+    pack_to = max_len if spec.packing else None
     hp = resolve(spec, len(train_idx))
 
     torch.manual_seed(spec.seed)

@@ -225,6 +225,40 @@ def bounded_lines(f: BinaryIO, limit: int) -> Iterator[bytes]:
         yield line
 
 
+@dataclass(frozen=True)
+class LengthBound:
+    """The longest example a job takes, one rule for the dataset report, the API and the trainer:
+    the job's ``max_seq_len`` when it sets one, else the model's position limit; a model
+    without one (``limit`` None: Kimi Linear, KDA + NoPE attention) takes any length that fits.
+    A ``max_seq_len`` over the model's limit is a ValueError naming both."""
+    model: str
+    limit: int | None  # the model's position limit
+    requested: int | None = None  # the job's max_seq_len
+
+    def __post_init__(self) -> None:
+        if self.requested is not None and self.limit is not None and self.requested > self.limit:
+            raise ValueError(f"max_seq_len {self.requested} is over {self.model}'s position limit of {self.limit} "
+                             f"tokens; use at most {self.limit}, or a model without a position limit")
+
+    @property
+    def bound(self) -> int | None:
+        """The job's bound in tokens; None: any length."""
+        return self.requested if self.requested is not None else self.limit
+
+    def problem(self, tokens: int) -> str | None:
+        """Why an example of ``tokens`` is too long, and what would fit; None when it fits."""
+        bound = self.bound
+        if bound is None or tokens <= bound:
+            return None
+        if self.limit is None:
+            fix = f"raise hyperparameters.max_seq_len to {tokens} or more ({self.model} has no position limit)"
+        elif tokens <= self.limit:
+            fix = f"raise hyperparameters.max_seq_len to {tokens} or more ({self.model} takes up to {self.limit})"
+        else:
+            fix = f"shorten it: {self.model} takes at most {self.limit} tokens"
+        return f"example is {tokens} tokens, over max_seq_len {bound}; {fix}"
+
+
 def iter_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
     """Number the lines (1-based) and skip blank ones."""
     for n, raw in enumerate(lines, 1):
@@ -234,10 +268,10 @@ def iter_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
 
 def validate(lines: Iterable[bytes], check_image: Callable[[str], str | None] | None = None,
              max_line_bytes: int = 8 << 20, max_issues: int = 100,
-             tokenize: Callable[[Example], tuple[int, int]] | None = None, max_tokens: int | None = None) -> Report:
+             tokenize: Callable[[Example], tuple[int, int]] | None = None, length: LengthBound | None = None) -> Report:
     """Check every line in one pass. ``check_image(ref)`` says why a referenced image is missing
     or unreadable; ``tokenize(example)`` gives (tokens, target tokens), which adds token counts to
-    the report and, with ``max_tokens``, an issue for every example that is too long."""
+    the report and, with ``length``, an issue for every example that is too long."""
     report = Report()
 
     def add(issue: Issue) -> None:
@@ -263,8 +297,9 @@ def validate(lines: Iterable[bytes], check_image: Callable[[str], str | None] | 
             except ValueError as e:
                 add(Issue(n, "images", str(e)))
                 continue
-            if max_tokens and tokens > max_tokens:
-                add(Issue(n, "messages", f"example is {tokens} tokens, over max_seq_len {max_tokens}"))
+            problem = length.problem(tokens) if length is not None else None
+            if problem:
+                add(Issue(n, "messages", problem))
             report.count(tokens, targets)
         chars = sum(len(m.content) for m in ex.messages)
         report.examples += 1

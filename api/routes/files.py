@@ -127,9 +127,9 @@ def file_report(file_id: str, owner: str = Depends(current_owner), session: Sess
     if f.kind == "zip" and not f.stats.get("examples"):
         raise ApiError(400, f"{file_id} is an archive of images, not a dataset", param="file_id")
     images = services.get_file(session, owner, images_file) if images_file else None
-    max_len = max_seq_len or catalog.BASE_MODELS[model]["max_seq_len"]
-    report = services.dataset_report(store, get_settings(), f, images, model, max_len)
-    return services.report_public(report, f, model, max_len, n_epochs)
+    length = catalog.length_bound(model, max_seq_len, "max_seq_len")
+    report = services.dataset_report(store, get_settings(), f, images, model, length)
+    return services.report_public(report, f, model, length, n_epochs)
 
 
 @router.get("/v1/files/{file_id}/content")

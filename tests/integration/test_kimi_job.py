@@ -73,3 +73,49 @@ def test_hybrid_tiny_job_with_images(pg_stack, sample):
     keys = set(load_safetensors(zipfile.ZipFile(io.BytesIO(r.content)).read("adapter_model.safetensors")))
     assert "base_model.model.layers.3.self_attn.q_b_proj.lora_A.weight" in keys  # the Gated DSA block
     assert "base_model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in keys
+
+
+def long_document(tokens: int) -> dict:
+    """A chat of about ``tokens`` byte-level tokens (the built-in models' tokenizer: one a byte)."""
+    story = " ".join(f"w{i % 97}" for i in range(tokens // 4))[: tokens - 40]
+    return {"messages": [{"role": "user", "content": "Retell: " + story}, {"role": "assistant", "content": story[-200:]}]}
+
+
+def test_a_document_longer_than_4096_tokens_trains_and_an_over_long_one_gets_its_400(pg_stack, sample):
+    """Kimi Linear has no position limit: with no max_seq_len its bound is the longest example (here
+    ~6,000 tokens, trained whole on the CPU); a max_seq_len under it names the line and the fix; a
+    model with a position limit names its limit; a max_seq_len over that limit is a 400 too."""
+    short = [l for l in (sample / "train.jsonl").read_text().splitlines() if '"images"' not in l][:7]
+    text = "\n".join([json.dumps(long_document(6000)), *short]).encode()
+    with pg_stack.client() as c:
+        f = c.post("/v1/files", files={"file": ("long.jsonl", text)}, data={"purpose": "fine-tune"}).json()
+        rep = c.get(f"/v1/files/{f['id']}/report", params={"model": "kimi-linear-tiny"}).json()
+        assert rep["ok"] and rep["max_seq_len"] is None and rep["position_limit"] is None
+        longest = rep["stats"]["max_example_tokens"]
+        assert longest > 4096
+
+        r = c.post("/v1/fine_tuning/jobs", json={"model": "kimi-linear-tiny", "training_file": f["id"],
+                                                 "hyperparameters": {"max_seq_len": 4096}})
+        assert r.status_code == 400
+        assert (f"line 1: messages: example is {longest} tokens, over max_seq_len 4096; raise "
+                f"hyperparameters.max_seq_len to {longest} or more (kimi-linear-tiny has no position limit)"
+                in r.json()["error"]["message"])
+        r = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f["id"]})
+        assert r.status_code == 400
+        assert f"example is {longest} tokens, over max_seq_len 2048; shorten it: kiln-tiny takes at most 2048" \
+            in r.json()["error"]["message"]
+        r = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f["id"],
+                                                 "hyperparameters": {"max_seq_len": 8192}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "hyperparameters.max_seq_len"
+        assert "max_seq_len 8192 is over kiln-tiny's position limit of 2048 tokens" in r.json()["error"]["message"]
+
+        job = c.post("/v1/fine_tuning/jobs", json={
+            "model": "kimi-linear-tiny", "training_file": f["id"], "seed": 3,
+            "hyperparameters": {"n_epochs": 1, "batch_size": 2}}).json()
+        done = finished(c, job["id"], timeout=300)
+        assert done["status"] == "succeeded", done["error"]
+        events = all_events(c, job["id"])
+        metrics = [e["data"] for e in events if e["type"] == "metrics"]
+        assert any(f"packed into rows of {longest} tokens" in e["message"] for e in events)
+        assert len(metrics) == 4  # 8 examples, 2 a step
+        assert max(m["trained_tokens"] for m in metrics) == rep["stats"]["tokens"]  # every token, the long one whole

@@ -12,6 +12,7 @@ import torch
 from engine.data import Dataset, ImageCache, collate, epoch_batches, split
 from engine.tiny_model import TinyConfig, TinyForCausalLM, init_weights
 from kiln.dataset import DatasetError
+from kiln.dataset import LengthBound
 from kiln.tokenizer import ByteTokenizer, chat_template
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
@@ -20,7 +21,7 @@ TPL = chat_template(TOK)
 
 
 def dataset(tmp_path, path=SAMPLE / "train.jsonl", max_len=2048, **kw) -> Dataset:
-    return Dataset(path, SAMPLE / "images.zip", TOK, TPL, 32, 16, max_len, tmp_path, **kw)
+    return Dataset(path, SAMPLE / "images.zip", TOK, TPL, 32, 16, LengthBound("kiln-tiny", 2048, max_len), tmp_path, **kw)
 
 
 def test_a_packed_row_computes_what_its_examples_compute_alone(tmp_path):
