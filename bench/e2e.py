@@ -1,0 +1,434 @@
+"""The whole LoRA training step on a Kimi-Linear-48B-shaped model: Kiln against what a user would
+pick instead, Hugging Face transformers + PEFT (+ fla-core's KDA kernels, its wheel carried),
+same checkpoint, same tokens per step.
+
+    python3 -m bench.e2e --side kiln    # then, on the same machine, --side hf (or --side both)
+
+The checkpoint: transformers' ``KimiLinearForCausalLM`` at Kimi-Linear-48B-A3B's layer shapes
+(hidden 2304, KDA 32 x 128, MLA 32 heads q/k 192 v 128, 256 experts of 1024 top-8 + 1 shared,
+vocab 163840), 5 layers (KDA, KDA, KDA, MLA, KDA; the first MLP dense), random weights, saved by
+transformers in bf16 to ``--ckpt`` once and loaded from there by both sides: Kiln through
+``engine.models.load_base`` as the trainer loads it, transformers through ``from_pretrained``.
+LoRA rank 16 (alpha 32) on q/k/v/o and the MLPs' gate/up/down projections, and with
+``experts`` on every expert's gate_up/down too (PEFT's ``target_parameters``); AdamW.
+
+Each row: ``tokens`` per step as one document (``single``) or documents of 4096 (``packed4k``:
+Kiln packs them into one row as its trainer does, transformers takes them as a batch of rows);
+``--steps`` timed steps after the first (the first, with its compiles and autotuning, is
+reported apart as ``first_step_s``); tokens/s from the median step; peak memory
+(``torch.cuda.max_memory_allocated``, weights included) over the timed steps. Then one more step
+under the torch profiler, its GPU time split by op class (``CLASSES``): the forward's ops by the
+module they run in, the backward's by the forward op that made them (autograd's sequence
+numbers), ``host gaps`` = the step's wall time the GPU was idle.
+
+Writes (merging with what the other side wrote) bench/results/e2e.json as
+``{"rows": [{"tokens", "layout", "experts", "kiln_tokens_per_s", "kiln_peak_gib",
+"hf_tokens_per_s", "hf_peak_gib", "kiln_first_step_s", ...}], "device", "date"}``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SHAPE = dict(vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
+             num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None,
+             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_local_experts=256, num_experts_per_tok=8,
+             n_shared_experts=1, linear_head_dim=128, linear_num_heads=32, routed_scaling_factor=2.446,
+             layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"],
+             mlp_layer_types=["dense"] + ["sparse"] * 4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# --check: the whole script at a tiny size on the CPU, in seconds (no timings worth reading)
+TINY = dict(SHAPE, vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            num_local_experts=8, num_experts_per_tok=2, linear_head_dim=16, linear_num_heads=4)
+DOC = 4096
+LONG = 32768  # longer rows: Kiln recomputes (Swap Core), transformers checkpoints its layers
+DEV = torch.device("cuda")
+TAG = "e2e::"
+CLASSES = ["KDA", "attention", "MoE", "projections + LoRA", "loss", "optimizer", "other"]
+
+
+# --------------------------------------------------------------------------------------------
+# where the time goes
+
+
+def tag_modules(model: nn.Module, classes: dict[type, str]) -> list:
+    """Forward hooks that open a profiler range ``e2e::<class>`` around every module of a tagged
+    type (the innermost range wins: a LoRA projection inside a KDA layer counts as projections)."""
+    handles = []
+    for m in model.modules():
+        cls = next((c for t, c in classes.items() if isinstance(m, t)), None)
+        if cls is None:
+            continue
+
+        def pre(mod, args, cls=cls):  # a stack: a module may carry two tags (the head: projection, loss)
+            mod.__dict__.setdefault("_e2e_ranges", []).append(torch.profiler.record_function(TAG + cls))
+            mod._e2e_ranges[-1].__enter__()
+
+        def post(mod, args, out):
+            mod._e2e_ranges.pop().__exit__(None, None, None)
+
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    return handles
+
+
+class _Patch:
+    """Wrap ``owner.attr`` (a function) in a profiler range of ``cls`` until ``remove``."""
+
+    def __init__(self, owner, attr: str, cls: str):
+        self.owner, self.attr, self.fn = owner, attr, getattr(owner, attr)
+
+        def wrapped(*args, **kw):
+            with torch.profiler.record_function(TAG + cls):
+                return self.fn(*args, **kw)
+
+        setattr(owner, attr, wrapped)
+
+    def remove(self) -> None:
+        setattr(self.owner, self.attr, self.fn)
+
+
+NAME_HINTS = [("kda", "KDA"), ("conv", "KDA"), ("_intra", "KDA"), ("_solve", "KDA"), ("_wu", "KDA"),
+              ("_states", "KDA"), ("_dlocal", "KDA"), ("_output", "KDA"), ("_cumsum", "KDA"), ("chunk_", "KDA"), ("flash", "attention"), ("fmha", "attention"), ("attention", "attention"),
+              ("experts", "MoE"), ("grouped", "MoE"), ("lora", "projections + LoRA"), ("crossentropy", "loss"),
+              ("cross_entropy", "loss"), ("adam", "optimizer")]
+
+
+def split_by_class(prof, wall_ms: float) -> dict[str, float]:
+    """GPU ms of one profiled step by op class, and the host gaps."""
+    events = [e for e in prof.events() if e.device_type.name == "CPU"]
+    by_seq: dict[tuple, str] = {}
+
+    def tagged(e):
+        while e is not None:
+            if e.name.startswith(TAG):
+                return e.name[len(TAG):]
+            e = e.cpu_parent
+        return None
+
+    for e in events:  # the forward: an op's class is its innermost tagged range
+        if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine"):
+            c = tagged(e)
+            if c is not None:
+                by_seq.setdefault((e.thread, e.sequence_nr), c)
+
+    def resolve(e):
+        while e is not None:
+            if e.name.startswith(TAG):
+                return e.name[len(TAG):]
+            if e.name.startswith("autograd::engine::evaluate_function"):  # the backward: its forward op's class
+                c = by_seq.get((e.fwd_thread, e.sequence_nr))
+                if c is not None:
+                    return c
+            e = e.cpu_parent
+        return None
+
+    split: dict[str, float] = defaultdict(float)
+    busy = []
+    for e in events:  # on the CPU (--check) each op's own time stands for its kernels
+        work = [(k.name, k.duration) for k in e.kernels] if DEV.type == "cuda" else (
+            [(e.name, e.self_cpu_time_total)] if not e.name.startswith(TAG) else [])
+        for name, us in work:
+            c = resolve(e)
+            if c is None:
+                low = (name + " " + e.name).lower()
+                c = next((cls for hint, cls in NAME_HINTS if hint in low), "other")
+            split[c] += us / 1e3
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            busy.append((e.time_range.start, e.time_range.end))
+    busy.sort()
+    total, end = 0.0, -1.0
+    for a, b in busy:  # the union of kernel intervals: the time the GPU worked
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    out = {c: round(split.get(c, 0.0), 2) for c in CLASSES}
+    out["gpu busy"] = round(total / 1e3, 2)
+    out["host gaps"] = round(max(0.0, wall_ms - total / 1e3), 2)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the two sides
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if DEV.type == "cuda" else 0.0
+
+
+def free() -> None:
+    gc.collect()
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+
+
+def build_checkpoint(folder: Path) -> None:
+    import transformers
+
+    if (folder / "config.json").exists():
+        return
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with DEV:
+        model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**SHAPE))
+    torch.set_default_dtype(torch.float32)
+    model.save_pretrained(folder)
+    del model
+    free()
+    print(f"checkpoint built and saved in {time.perf_counter() - t0:.0f} s: {folder}", flush=True)
+
+
+def batch_of(tokens: int, layout: str, seed: int) -> list[torch.Tensor]:
+    """The step's documents: random token ids (every next token a target)."""
+    g = torch.Generator().manual_seed(seed)
+    doc = tokens if layout == "single" else DOC
+    return [torch.randint(3, SHAPE["vocab_size"], (doc,), generator=g) for _ in range(tokens // doc)]
+
+
+class Kiln:
+    name = "kiln"
+
+    def __init__(self, folder: Path, experts: bool):
+        from engine.lora import apply_lora, store_frozen
+        from engine.models import load_base
+        from engine.spec import LoraSpec
+
+        t0 = time.perf_counter()
+        self.model = load_base(folder)
+        apply_lora(self.model, LoraSpec(rank=16, alpha=32, target_modules=TARGETS,
+                                        target_parameters=EXPERTS if experts else []))
+        if DEV.type == "cuda":  # as the trainer: the steps run under bf16 autocast
+            store_frozen(self.model, torch.bfloat16)
+        self.model.to(DEV).train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-5)
+        self.load_s = time.perf_counter() - t0
+        self.memory = "none"
+
+    def long_mode(self, on: bool) -> None:
+        """Swap Core's default recompute (``selective``: the kernels' outputs kept on the device)
+        for the long rows, none for the others."""
+        from engine.memory import apply_swap_core
+        from engine.spec import MemorySpec
+
+        for layer in self.model.model.layers:  # undo: the wrapped forwards live on the instances
+            for block in (layer.self_attn, layer.mlp):
+                block.__dict__.pop("forward", None)
+        self.memory = "selective" if on else "none"
+        if on:
+            apply_swap_core(self.model, MemorySpec(recompute="selective"))
+
+    def tag(self) -> list:
+        from engine.lora import ExpertsLoRA, LoRALinear
+        from engine.model.kimi_linear import KimiDeltaAttention, MLAttention
+        from engine.model.moe import MoE
+
+        import engine.model.layers as layers
+
+        return tag_modules(self.model, {LoRALinear: "projections + LoRA", nn.Linear: "projections + LoRA",
+                                        ExpertsLoRA: "MoE", KimiDeltaAttention: "KDA", MLAttention: "attention",
+                                        MoE: "MoE"}) + [_Patch(layers, "next_token_loss", "loss")]
+
+    def step(self, docs: list[torch.Tensor]) -> None:
+        from engine.data import Sample
+        from engine.trainer import _accumulate
+
+        samples = [Sample(i, d, d.clone(), torch.zeros(0, 3, 1, 1)) for i, d in enumerate(docs)]
+        _accumulate(self.model, samples, 1, 0, sum(len(d) for d in docs), DEV)
+        with torch.profiler.record_function(TAG + "optimizer"):
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+
+class HF:
+    name = "hf"
+
+    def __init__(self, folder: Path, experts: bool):
+        import peft
+        import transformers
+
+        t0 = time.perf_counter()
+        base = transformers.KimiLinearForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(DEV)
+        cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
+                              target_parameters=EXPERTS if experts else None)
+        self.model = peft.get_peft_model(base, cfg).train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-5)
+        self.load_s = time.perf_counter() - t0
+        self.memory = "none"
+
+    def long_mode(self, on: bool) -> None:
+        """Gradient checkpointing for the long rows, as a user would turn it on."""
+        if on:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.enable_input_require_grads()
+        else:
+            self.model.gradient_checkpointing_disable()
+        self.memory = "gradient checkpointing" if on else "none"
+
+    def tag(self) -> list:
+        import peft
+        from transformers.models.kimi_linear import modeling_kimi_linear as m
+
+        classes = {peft.tuners.lora.LoraLayer: "projections + LoRA", nn.Linear: "projections + LoRA"}
+        for cls_name, c in (("KimiLinearDeltaAttention", "KDA"), ("KimiLinearAttention", "attention"),
+                            ("KimiLinearMoE", "MoE")):
+            classes[getattr(m, cls_name)] = c
+        handles = tag_modules(self.model, classes)
+        head = self.model.get_output_embeddings()
+        handles += tag_modules(head, {type(head): "loss"})
+        base = self.model.get_base_model()
+        base.loss_function = base.loss_function  # its own attribute, so the patch can wrap and restore it
+        return handles + [_Patch(base, "loss_function", "loss")]
+
+    def step(self, docs: list[torch.Tensor]) -> None:
+        ids = torch.stack(docs).to(DEV)
+        out = self.model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        with torch.profiler.record_function(TAG + "optimizer"):
+            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+
+def run_side(side_cls, folder: Path, tokens: list[int], layouts: list[str], experts: list[bool], steps: int,
+             profile: bool, record, trace_file: str | None) -> None:
+    first_done = False
+    for with_experts in experts:
+        side = side_cls(folder, with_experts)
+        print(f"{side.name}: loaded (experts LoRA {with_experts}) in {side.load_s:.0f} s", flush=True)
+        for T in tokens:
+            for layout in layouts:
+                key = (T, layout, with_experts)
+                docs = batch_of(T, layout, T)
+                side.long_mode(T > LONG)
+                try:
+                    sync()
+                    t0 = time.perf_counter()
+                    side.step(docs)
+                    sync()
+                    first = time.perf_counter() - t0
+                    reset_peak()
+                    times = []
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        side.step(docs)
+                        sync()
+                        times.append(time.perf_counter() - t0)
+                    peak = peak_gib()
+                    med = statistics.median(times)
+                    res = {"tokens_per_s": T / med, "peak_gib": peak, "step_s": med, "memory": side.memory,
+                           "first_step_s": first, "compiles_in_first": not first_done}
+                    first_done = True
+                    if profile:
+                        handles = side.tag()
+                        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+                            t0 = time.perf_counter()
+                            side.step(docs)
+                            sync()
+                            wall = (time.perf_counter() - t0) * 1e3
+                        for h in handles:
+                            h.remove()
+                        res["split_ms"] = split_by_class(prof, wall)
+                        res["profiled_step_ms"] = wall
+                        if trace_file:
+                            with open(trace_file, "a") as f:
+                                f.write(f"\n## {side.name} {T} {layout} experts={with_experts}\n")
+                                f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+                except torch.OutOfMemoryError as e:
+                    res = {"tokens_per_s": None, "peak_gib": None, "error": f"out of memory: {str(e)[:160]}"}
+                side.opt.zero_grad(set_to_none=True)
+                free()
+                record(key, side.name, res)
+        del side
+        free()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--side", choices=["kiln", "hf", "both"], default="both")
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--layouts", nargs="+", default=["single", "packed4k"], choices=["single", "packed4k"])
+    p.add_argument("--experts", choices=["no", "yes", "both"], default="both")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--ckpt", default=".cache/e2e-kimi-linear-48b-5l")
+    p.add_argument("--out", default="bench/results/e2e.json")
+    p.add_argument("--trace-file", default=None, help="each profiled step's kernel table, appended as text")
+    p.add_argument("--check", action="store_true", help="a tiny model on the CPU: the script runs, no more")
+    a = p.parse_args()
+    if a.check:
+        global DEV, DOC, LONG
+        DEV, DOC, LONG = torch.device("cpu"), 64, 128
+        SHAPE.update(TINY)
+    folder, out = Path(a.ckpt), Path(a.out)
+    build_checkpoint(folder)
+    done = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    rows = {(r["tokens"], r["layout"], r["experts"]): r for r in done["rows"]}
+
+    def record(key, side, res):
+        r = rows.setdefault(key, {"tokens": key[0], "layout": key[1], "experts": key[2],
+                                  "kiln_tokens_per_s": None, "kiln_peak_gib": None, "hf_tokens_per_s": None,
+                                  "hf_peak_gib": None, "kiln_first_step_s": None})
+        for k, v in res.items():
+            r[f"{side}_{k}"] = v
+        hf, kiln = r.get("hf_tokens_per_s"), r.get("kiln_tokens_per_s")
+        r["speedup"] = kiln / hf if hf and kiln else None
+        r["memory_ratio"] = (r["kiln_peak_gib"] / r["hf_peak_gib"]) if r.get("hf_peak_gib") and r.get(
+            "kiln_peak_gib") else None
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rows": sorted(rows.values(), key=lambda r: (r["experts"], r["tokens"], r["layout"])),
+                                   "device": device_name(), "torch": torch.__version__,
+                                   "date": datetime.date.today().isoformat()}, indent=1))
+        tps = res.get("tokens_per_s")
+        print(f"{side:>4} {key[0]:>7} {key[1]:>8} experts={str(key[2]):<5} "
+              + (f"{tps:>9.0f} tok/s  peak {res['peak_gib']:6.1f} GiB  first step {res['first_step_s']:.1f} s"
+                 if tps else res.get("error", "")) + (f"  split {res['split_ms']}" if "split_ms" in res else ""),
+              flush=True)
+
+    experts = {"no": [False], "yes": [True], "both": [False, True]}[a.experts]
+    sides = {"kiln": [Kiln], "hf": [HF], "both": [Kiln, HF]}[a.side]
+    for side in sides:
+        run_side(side, folder, a.tokens, a.layouts, experts, a.steps, not a.no_profile, record, a.trace_file)
+    print("\n| tokens | layout | experts | Kiln tok/s | HF tok/s | Kiln / HF | Kiln GiB | HF GiB | memory | "
+          "Kiln first step s |")
+    print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in sorted(rows.values(), key=lambda r: (r["experts"], r["tokens"], r["layout"])):
+        f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
+        print(f"| {r['tokens']} | {r['layout']} | {r['experts']} | {f(r['kiln_tokens_per_s'], '.0f')} | "
+              f"{f(r['hf_tokens_per_s'], '.0f')} | {f(r['speedup'], '.2f')}x | {f(r['kiln_peak_gib'], '.1f')} | "
+              f"{f(r['hf_peak_gib'], '.1f')} | {f(r['memory_ratio'], '.2f')}x | {f(r.get('kiln_first_step_s'), '.1f')} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
