@@ -36,16 +36,19 @@ class MemorySettings(BaseModel):
 
 
 class ParallelSettings(BaseModel):
-    """Processes for the job on one worker node (one per GPU; gloo on a CPU worker) and how many
-    ways the experts are split (the engine's ParallelSpec; README's "Multi-GPU" section)."""
+    """Processes for the job on one worker node (one per GPU; gloo on a CPU worker), how many
+    ways the experts are split and how many ranks share one sequence (context parallel) (the
+    engine's ParallelSpec; README's "Multi-GPU" section)."""
     model_config = ConfigDict(extra="forbid")
     nproc: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
     ep_size: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
+    cp_size: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
 
     @model_validator(mode="after")
     def _ep_divides(self) -> "ParallelSettings":
-        if self.nproc % self.ep_size:
-            raise ValueError(f"ep_size ({self.ep_size}) must divide nproc ({self.nproc})")
+        for name in ("ep_size", "cp_size"):
+            if self.nproc % getattr(self, name):
+                raise ValueError(f"{name} ({getattr(self, name)}) must divide nproc ({self.nproc})")
         return self
 
 

@@ -141,6 +141,10 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
         raise ApiError(400, f"hyperparameters.parallel.ep_size: {ep} does not divide the {info['experts']} experts "
                        f"of {req.model}" + ("" if info["experts"] else " (it has none: use 1)"),
                        param="hyperparameters.parallel.ep_size")
+    if hp.get("parallel", {}).get("cp_size", 1) > 1 and not info.get("context_parallel"):
+        raise ApiError(400, f"hyperparameters.parallel.cp_size: {req.model} has no context-parallel form yet; use 1 "
+                       f"(models with one: {', '.join(m for m, i in catalog.BASE_MODELS.items() if i.get('context_parallel'))})",
+                       param="hyperparameters.parallel.cp_size")
     train = _dataset_file(session, owner, req.training_file, "training_file", ("jsonl", "zip"))
     valid = _dataset_file(session, owner, req.validation_file, "validation_file", ("jsonl", "zip"))
     images = _dataset_file(session, owner, req.images_file, "images_file", ("zip",))

@@ -11,6 +11,7 @@ The YAML holds JobSpec's fields (engine/spec.py); ``lora``, ``memory`` and
     lora: {rank: 8, alpha: 16}
     memory: {recompute: selective, tier: host}   # Swap Core; see engine/memory/swap_core.py
     parallel: {nproc: 2, ep_size: 2}             # torchrun: 2 processes, experts split 2 ways
+                                                 # (cp_size: 2 splits each sequence over 2 ranks)
 
 Checkpoints, the adapter and the base models live under ``--store`` (default ./kiln-data/store).
 Ctrl-C stops after the current step; ``--resume`` continues from the job's last checkpoint.

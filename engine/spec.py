@@ -44,10 +44,13 @@ class MemorySpec:
 
 @dataclass
 class ParallelSpec:
-    """Processes on this node (one per GPU; gloo on a CPU machine) and how many ways the experts
-    are split (``ep_size`` divides ``nproc`` and the expert count). 1: one process, as always."""
+    """Processes on this node (one per GPU; gloo on a CPU machine), how many ways the experts
+    are split (``ep_size`` divides ``nproc`` and the expert count) and how many consecutive
+    ranks share one sequence (``cp_size``, context parallel: each takes a contiguous slice of the
+    step's rows laid end to end; divides ``nproc``). 1: one process, as always."""
     nproc: int = 1
     ep_size: int = 1
+    cp_size: int = 1
 
 
 def check_parallel(p: ParallelSpec) -> None:
@@ -56,6 +59,8 @@ def check_parallel(p: ParallelSpec) -> None:
         raise ValueError(f"parallel.nproc must be a positive integer, got {p.nproc!r}")
     if not isinstance(p.ep_size, int) or p.ep_size < 1 or p.nproc % p.ep_size:
         raise ValueError(f"parallel.ep_size must be a positive divisor of parallel.nproc ({p.nproc}), got {p.ep_size!r}")
+    if not isinstance(p.cp_size, int) or p.cp_size < 1 or p.nproc % p.cp_size:
+        raise ValueError(f"parallel.cp_size must be a positive divisor of parallel.nproc ({p.nproc}), got {p.cp_size!r}")
 
 
 @dataclass

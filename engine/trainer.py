@@ -72,21 +72,36 @@ def lr_lambda(warmup: int, total: int):
     return f
 
 
-def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device) -> tuple[torch.Tensor, int, int]:
-    """Mean cross-entropy over target tokens, the target count, and how many were argmax-right."""
+def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=None) -> tuple[torch.Tensor, int, int]:
+    """Mean cross-entropy over target tokens, the target count, and how many were argmax-right.
+    ``cp``: the batch is a context-parallel rank's slice (engine.parallel.context.split)."""
     ids = batch["input_ids_BT"].to(device)
     labels = batch["labels_BT"].to(device)
     docs, pos = (batch[k].to(device) if batch[k] is not None else None for k in ("doc_ids_BT", "positions_BT"))
+    extra = {"cp": cp} if cp is not None else {}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        loss, right = model(ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels)  # no full logits
+        loss, right = model(ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels, **extra)  # no full logits
     return loss, int((labels[:, 1:] != IGNORE).sum()), int(right)
 
 
+def _batch(samples: list, pad: int, pack_to: int | None, mesh) -> tuple[dict, object, int]:
+    """The collated batch (no shard), or under context parallel this rank's slice of it and its
+    shard; and the rows it packed, counted on one rank of a context-parallel group."""
+    batch = collate(samples, pad, pack_to)
+    rows = batch["input_ids_BT"].shape[0]
+    if mesh is None or mesh.cp == 1:
+        return batch, None, rows
+    from engine.parallel.context import split
+
+    return *split(batch, pad, mesh.cp_group, mesh.cp_rank, mesh.cp), rows if mesh.cp_rank == 0 else 0
+
+
 def _share(items: list, mesh, parts: int | None = None, size: int | None = None) -> list[list]:
-    """This rank's share of ``items`` (rank r takes items r, r + world, ...) cut into ``parts``
-    contiguous lists, or lists of ``size``. Every rank gets as many lists (an empty one stands
-    for nothing: collectives need every rank in every forward)."""
-    world, rank = (mesh.world, mesh.rank) if mesh is not None else (1, 0)
+    """This rank's share of ``items`` (data group g takes items g, g + groups, ...; the ranks of a
+    context-parallel group share theirs) cut into ``parts`` contiguous lists, or lists of
+    ``size``. Every rank gets as many lists (an empty one stands for nothing: collectives need
+    every rank in every forward)."""
+    world, rank = (mesh.data_world, mesh.data_rank) if mesh is not None else (1, 0)
     mine, per = items[rank::world], math.ceil(len(items) / world)
     size = size or max(1, math.ceil(per / parts))
     return [mine[i * size:(i + 1) * size] for i in range(math.ceil(per / size))]
@@ -110,8 +125,8 @@ def evaluate(model: torch.nn.Module, data: Dataset, indices: list[int], bs: int,
     model.eval()
     total, n, right = 0.0, 0, 0
     for part in _share(indices, mesh, size=bs):
-        batch = collate([data[j] for j in part or indices[:1]], pad, pack_to)  # a stand-in keeps the ranks in step
-        loss, k, r = batch_loss(model, batch, device)
+        batch, cp, _ = _batch([data[j] for j in part or indices[:1]], pad, pack_to, mesh)  # a stand-in keeps the ranks in step
+        loss, k, r = batch_loss(model, batch, device, cp)
         if part:
             total, n, right = total + float(loss) * k, n + k, right + r
     total, n, right = _sum(mesh, total, n, right)
@@ -123,21 +138,22 @@ def _accumulate(model, samples, micro: int, pad: int, pack_to: int | None, devic
                 ) -> tuple[torch.Tensor, int, int, int, int]:
     """Forward and backward this rank's share of the step's examples in ``micro`` parts, each
     weighted by its share of the target tokens of the whole step (on all ranks): the gradients,
-    summed over the ranks, equal the whole batch's. Returns (loss, targets, right, tokens, rows)
+    summed over the ranks, equal the whole batch's (context parallel too: each rank's slice holds
+    its own targets). Returns (loss, targets, right, tokens, rows)
     for the step, over all ranks."""
     total = sum(s.targets for s in samples) or 1
     loss_sum, n_sum, right_sum, seen, rows = 0.0, 0, 0, 0, 0
     for part in _share(samples, mesh, parts=micro):
-        batch = collate(part or samples[:1], pad, pack_to)  # a stand-in, weighted 0, keeps the ranks in step
-        loss, n, right = batch_loss(model, batch, device)
+        batch, cp, packed = _batch(part or samples[:1], pad, pack_to, mesh)  # a stand-in, weighted 0, keeps the ranks in step
+        loss, n, right = batch_loss(model, batch, device, cp)
         extra = model.indexer_loss() if hasattr(model, "indexer_loss") and model.training else None
         weight = n / total if part else 0.0
         ((loss + extra if extra is not None else loss) * weight).backward()  # DSA indexers learn by KL
         if part:
             loss_sum += float(loss.detach()) * n
             n_sum, right_sum = n_sum + n, right_sum + right
-            seen += int((batch["input_ids_BT"] != pad).sum())
-            rows += batch["input_ids_BT"].shape[0]
+            seen += int((batch["input_ids_BT"] != pad).sum())  # under context parallel: this slice's
+            rows += packed
     loss_sum, n_sum, right_sum, seen, rows = _sum(mesh, loss_sum, n_sum, right_sum, seen, rows)
     return torch.tensor(loss_sum / max(n_sum, 1)), int(n_sum), int(right_sum), int(seen), int(rows)
 
@@ -291,6 +307,8 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path, mesh=Non
         raise ValueError(f"base model {spec.model!r} has no weights in {model_dir}")
     model = load_base(model_dir)
     cfg = model.config
+    if spec.parallel.cp_size > 1 and not getattr(model, "supports_context_parallel", False):
+        raise ValueError(f"parallel.cp_size: {spec.model} has no context-parallel form yet (Kimi Linear has); use 1")
     tok = load_tokenizer(model_dir)
     tpl = chat_template(tok)
     length = LengthBound(spec.model, position_limit(model), spec.max_seq_len)  # the API's rule (kiln.dataset)
@@ -324,8 +342,9 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path, mesh=Non
         from engine.parallel.fsdp import clip_grad_norm, parallelize, sync_router_load
 
         parallelize(model, mesh)
-        reporter.message(f"Parallel: {mesh.world} processes, FSDP2 over all, experts split {mesh.ep} ways",
-                         data={"world_size": mesh.world, "ep_size": mesh.ep})
+        reporter.message(f"Parallel: {mesh.world} processes, FSDP2 over all, experts split {mesh.ep} ways"
+                         + (f", each sequence split {mesh.cp} ways (context parallel)" if mesh.cp > 1 else ""),
+                         data={"world_size": mesh.world, "ep_size": mesh.ep, "cp_size": mesh.cp})
     else:
         if device.type == "cuda" and spec.training != "full":  # the steps run under bf16 autocast
             store_frozen(model, torch.bfloat16)  # (FSDP2 shards one dtype per group: not with a mesh)

@@ -115,18 +115,33 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
 
-    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cp=None) -> torch.Tensor:
+        """``cp`` (context parallel, engine.parallel.context.ContextShard): x is one rank's slice of
+        a sequence; the convolutions read the previous rank's last tokens and the state comes from
+        the previous rank."""
         B, T, _ = x_BTD.shape
         x_BTD = autocast_input(x_BTD)  # read by eight projections
         # q's channels, k's, v's convolved apart (no concatenated copy); q and k L2-normalised per
         # head in fp32 (fla's form), all three in the activations' dtype (bf16 under autocast: the
         # kernel's products on bf16 tensor cores); the state, the decay and every sum stay fp32
         filters = self.conv1d.weight.split(self.H * self.K)
-        q, k, v = (short_conv(proj(x_BTD), w, cu_seqlens, norm).view(B, T, self.H, self.K)
-                   for proj, w, norm in zip((self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0)))
+        halo = self.conv1d.weight.shape[-1] - 1
+        qkv = []
+        for name, proj, w, norm in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0)):
+            y = proj(x_BTD)
+            if cp is None:
+                y = short_conv(y, w, cu_seqlens, norm)
+            else:
+                y, cu_halo = cp.halo(y, halo, (id(self), name))
+                y = short_conv(y, w, cu_halo, norm)[:, halo:]
+            qkv.append(y.view(B, T, self.H, self.K))
+        q, k, v = qkv
         g = self.forget_gate(x_BTD)
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
-        o, _ = kda_chunk(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        h0 = None if cp is None else cp.state_in(x_BTD, (self.H, self.K, self.K), len(cu_seqlens) - 1, (id(self), "S"))
+        o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens)
+        if cp is not None:
+            o = cp.state_out(final[-1], o)
         gate = (self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD)))
         gate = gate.view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))
@@ -147,16 +162,22 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, self.H * (self.nope + self.v), bias=False)
         self.o_proj = nn.Linear(self.H * self.v, D, bias=False)
 
-    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """x: one sequence [1, T, D] (rows laid end to end); ``cu_seqlens``: its documents' host offsets."""
+    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor, cp=None) -> torch.Tensor:
+        """x: one sequence [1, T, D] (rows laid end to end); ``cu_seqlens``: its documents' host
+        offsets. ``cp``: x is one rank's slice; the keys are made from every rank's latent rows."""
         T = x_1TD.shape[1]
         x_1TD = autocast_input(x_1TD)
         q = self.q_proj(x_1TD).view(T, self.H, -1)
         latent, k_shared = self.kv_a_proj_with_mqa(x_1TD).split([self.rank, self.rope], -1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, self.H, -1)
+        latent, cu_k = self.kv_a_layernorm(latent), None
+        if cp is not None:  # MLA's compressed row, rank + rope wide: the small thing to gather
+            rows, cu_k = cp.keys(torch.cat([latent, k_shared.to(latent.dtype)], -1)[0], cu_seqlens, (id(self), "kv"))
+            latent, k_shared = rows[None].split([self.rank, self.rope], -1)
+        S = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(S, self.H, -1)
         k_nope, v = kv.split([self.nope, self.v], -1)
-        k = torch.cat([k_nope, k_shared.view(T, 1, self.rope).expand(T, self.H, self.rope)], -1)
-        o = varlen_attention(q, k, v, cu_seqlens, scale=(self.nope + self.rope) ** -0.5)
+        k = torch.cat([k_nope, k_shared.view(S, 1, self.rope).expand(S, self.H, self.rope).to(k_nope.dtype)], -1)
+        o = varlen_attention(q, k, v, cu_seqlens, cu_k, scale=(self.nope + self.rope) ** -0.5)
         return self.o_proj(o.reshape(1, T, -1))
 
 
@@ -174,8 +195,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        x = x_1TD + self.self_attn(self.input_layernorm(x_1TD), cu_seqlens)
+    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor, cp=None) -> torch.Tensor:
+        x = x_1TD + self.self_attn(self.input_layernorm(x_1TD), cu_seqlens, cp)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -188,6 +209,8 @@ class KimiLinearCore(nn.Module):
 
 
 class KimiLinearForCausalLM(CausalLM, nn.Module):
+    supports_context_parallel = True
+
     def __init__(self, config: KimiLinearConfig):
         super().__init__()
         self.config = config
@@ -195,16 +218,18 @@ class KimiLinearForCausalLM(CausalLM, nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
+               cp=None) -> torch.Tensor:
         """The final norm's output [B, T, D]. The rows are laid end to end as one sequence, cut
         into documents: the rows, or with ``doc_ids_BT`` (packed rows) every document, each
         starting afresh (a KDA state and a convolution per document, attention inside it). No
-        positions: KDA carries order and the MLA layers use none (NoPE)."""
+        positions: KDA carries order and the MLA layers use none (NoPE). ``cp``
+        (engine.parallel.context.ContextShard): the one row is this rank's slice of a sequence."""
         if pixels_NCHW is not None and pixels_NCHW.numel():
             raise ValueError("Kimi Linear takes no image input")
         B, T = input_ids_BT.shape
         cu = cu_seqlens(rows_end_to_end(doc_ids_BT)) if doc_ids_BT is not None else torch.arange(0, B * T + 1, T)
         x = self.model.embed_tokens(input_ids_BT.reshape(1, B * T))
         for layer in self.model.layers:
-            x = layer(x, cu)
+            x = layer(x, cu, cp)
         return self.model.norm(x).view(B, T, -1)

@@ -104,8 +104,13 @@ class CausalLM:
 
     def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
                 doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
-                labels_BT: torch.Tensor | None = None):
+                labels_BT: torch.Tensor | None = None, cp=None):
         """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
-        targets and the count of argmax hits (``layers.next_token_loss``: no full logits)."""
-        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT)
+        targets and the count of argmax hits (``layers.next_token_loss``: no full logits). ``cp``:
+        a context-parallel rank's slice (engine.parallel.context), for the families whose
+        ``hidden`` takes one (``supports_context_parallel``)."""
+        if cp is not None and not getattr(self, "supports_context_parallel", False):
+            raise ValueError(f"{type(self).__name__} has no context-parallel form (parallel.cp_size must be 1)")
+        extra = {"cp": cp} if cp is not None else {}
+        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT, **extra)
         return self.lm_head(h) if labels_BT is None else next_token_loss(self.lm_head, h, labels_BT)

@@ -166,7 +166,7 @@ def main(argv: list[str]) -> NoReturn:
     p.add_argument("--stop", type=Path, default=Path("stop"), help="write a reason here to stop at the next step")
     a = p.parse_args(argv)
     spec = JobSpec.from_json(a.spec.read_text())
-    mesh = init_mesh(spec.parallel.ep_size)
+    mesh = init_mesh(spec.parallel.ep_size, spec.parallel.cp_size)
     reporter = FileReporter(a.events, a.stop) if mesh.rank == 0 else SilentReporter()
     try:
         result = train(spec, LocalStore(a.store), reporter, mesh)

@@ -3,6 +3,8 @@ weights over all of them), and the ranks are also arranged ``ep`` x ``edp``: the
 split over the ``ep`` ranks of a row, and each expert shard is FSDP-sharded again over the
 ``edp`` ranks of a column. Rank r sits at (r // edp, r % edp): the ranks of one expert-data-parallel
 group are neighbours (one node on a multi-node run), the ranks of an EP group are ``edp`` apart.
+Context parallel: ``cp`` consecutive ranks share one sequence (engine.parallel.context), so the
+data is shared among ``world / cp`` groups; FSDP's gradient sum over all ranks needs nothing more.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ class Mesh:
     dp: DeviceMesh  # all ranks, 1-D: FSDP2 of the non-expert weights
     experts: DeviceMesh  # ("ep", "edp"): expert parallel x FSDP2 of the expert shards
     device: torch.device
+    context: DeviceMesh | None = None  # ("data", "cp"): consecutive ranks share a sequence
 
     @property
     def rank(self) -> int:
@@ -47,10 +50,31 @@ class Mesh:
     def edp(self) -> DeviceMesh:
         return self.experts["edp"]
 
+    @property
+    def cp(self) -> int:
+        return self.context.size(1) if self.context is not None else 1
 
-def init_mesh(ep_size: int = 1) -> Mesh:
+    @property
+    def cp_rank(self) -> int:
+        return self.context.get_local_rank("cp") if self.context is not None else 0
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self.context.get_group("cp") if self.context is not None else None
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place among the data-parallel groups (ranks that see different data)."""
+        return self.rank // self.cp
+
+    @property
+    def data_world(self) -> int:
+        return self.world // self.cp
+
+
+def init_mesh(ep_size: int = 1, cp_size: int = 1) -> Mesh:
     """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU) and build the mesh.
-    ``ep_size`` must divide the world size."""
+    ``ep_size`` and ``cp_size`` must divide the world size."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -59,11 +83,14 @@ def init_mesh(ep_size: int = 1) -> Mesh:
     world = dist.get_world_size()
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"parallel.ep_size {ep_size} must divide the number of processes ({world})")
+    if cp_size < 1 or world % cp_size:
+        raise ValueError(f"parallel.cp_size {cp_size} must divide the number of processes ({world})")
     kind = "cuda" if cuda else "cpu"
     device = torch.device(kind, torch.cuda.current_device()) if cuda else torch.device("cpu")
+    context = init_device_mesh(kind, (world // cp_size, cp_size), mesh_dim_names=("data", "cp")) if cp_size > 1 else None
     return Mesh(dp=init_device_mesh(kind, (world,), mesh_dim_names=("dp",)),
                 experts=init_device_mesh(kind, (ep_size, world // ep_size), mesh_dim_names=("ep", "edp")),
-                device=device)
+                device=device, context=context)
 
 
 def close_mesh() -> NoReturn:

@@ -6,6 +6,8 @@ import io
 import json
 import zipfile
 
+import pytest
+
 from safetensors.numpy import load as load_safetensors
 
 from tests.conftest import all_events, finished
@@ -75,6 +77,11 @@ def test_hybrid_tiny_job_with_images(pg_stack, sample):
     assert "base_model.model.layers.1.mlp.experts.base_layer.lora_A.weight" in keys
 
 
+def short_file(c, lines: list[str]) -> str:
+    return c.post("/v1/files", files={"file": ("short.jsonl", "\n".join(lines).encode())},
+                  data={"purpose": "fine-tune"}).json()["id"]
+
+
 def long_document(tokens: int) -> dict:
     """A chat of about ``tokens`` byte-level tokens (the built-in models' tokenizer: one a byte)."""
     story = " ".join(f"w{i % 97}" for i in range(tokens // 4))[: tokens - 40]
@@ -119,3 +126,20 @@ def test_a_document_longer_than_4096_tokens_trains_and_an_over_long_one_gets_its
         assert any(f"packed into rows of {longest} tokens" in e["message"] for e in events)
         assert len(metrics) == 4  # 8 examples, 2 a step
         assert max(m["trained_tokens"] for m in metrics) == rep["stats"]["tokens"]  # every token, the long one whole
+
+        # context parallel through the service: two ranks share each sequence; the same steps
+        r = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": short_file(c, short),
+                                                 "hyperparameters": {"parallel": {"nproc": 2, "cp_size": 2}}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "hyperparameters.parallel.cp_size"
+        job = c.post("/v1/fine_tuning/jobs", json={
+            "model": "kimi-linear-tiny", "training_file": f["id"], "seed": 3,
+            "hyperparameters": {"n_epochs": 1, "batch_size": 2, "parallel": {"nproc": 2, "cp_size": 2}}}).json()
+        done = finished(c, job["id"], timeout=300)
+        assert done["status"] == "succeeded", done["error"]
+        events = all_events(c, job["id"])
+        split = [e["data"] for e in events if e["type"] == "metrics"]
+        assert any("each sequence split 2 ways (context parallel)" in e["message"] for e in events)
+    by_step = {m["step"]: m for m in metrics}
+    for m in split:
+        assert m["train_loss"] == pytest.approx(by_step[m["step"]]["train_loss"], rel=1e-4)
+        assert m["trained_tokens"] == by_step[m["step"]]["trained_tokens"]
