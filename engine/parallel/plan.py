@@ -1,6 +1,7 @@
 """The planner: memory per device and the layout for a model and a cluster, before any run.
 
     python -m engine.parallel.plan --gpus 512 [--gpu-memory-gb 141] [--tokens 8192] [--lora-rank 16]
+    python -m engine.parallel.plan --model kimi_linear/config.json --gpus 8 --tokens 262144 [--recompute none]
 
 For the flagship (or ``--model debug`` / a kiln_hybrid config.json): FSDP2 shards every weight
 over all ranks, so sharded weights cost the same per device whatever the EP size; the EP size
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import ModelConfig, count_parameters
+from engine.model.kimi_linear import KimiLinearConfig
 
 GB = 1e9
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj", "down_proj")
@@ -128,21 +130,144 @@ def report(c: ModelConfig, plan: Plan, per_node: int) -> str:
     return "\n".join(lines)
 
 
-def load_config(name: str) -> ModelConfig:
+# --------------------------------------------------------------------------------------------
+# Kimi Linear on one sequence: memory per device for a length, and the context-parallel size
+
+
+LOSS_CHUNK = 2 << 30  # kiln_kernels.loss.triton.CHUNK_BYTES: the fused loss's logits at most this
+
+
+def kimi_linear_parameters(c: KimiLinearConfig) -> tuple[int, int]:
+    """(all parameters, those kept in fp32 by engine.lora.store_frozen: embeddings, norms, gates)."""
+    import torch
+
+    from engine.model.kimi_linear import KimiLinearForCausalLM
+
+    with torch.device("meta"):
+        m = KimiLinearForCausalLM(c)
+    total = sum(p.numel() for p in m.parameters())
+    wide = m.model.embed_tokens.weight.numel() + sum(
+        p.numel() for n, p in m.named_parameters() if "norm" in n or "A_log" in n or "dt_bias" in n or n.endswith("gate.weight"))
+    return total, wide
+
+
+def kimi_linear_lora(c: KimiLinearConfig, rank: int, experts: bool, targets=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                            "gate_proj", "up_proj", "down_proj")) -> int:
+    import torch
+
+    from engine.lora import apply_lora
+    from engine.model.kimi_linear import KimiLinearForCausalLM
+    from engine.spec import LoraSpec
+
+    with torch.device("meta"):
+        m = KimiLinearForCausalLM(c)
+    apply_lora(m, LoraSpec(rank=rank, target_modules=list(targets),
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else []))
+    return sum(p.numel() for p in m.parameters() if p.requires_grad)
+
+
+def kimi_linear_token_bytes(c: KimiLinearConfig, i: int) -> dict[str, int]:
+    """What layer ``i`` keeps for the backward, bytes a token, as the engine's ops save it on CUDA
+    under bf16 autocast (fp32 residual stream and norms; bf16 activations; KDA's gate and output
+    in fp32): ``saved`` without recompute (the norms', the attention block's and the MLP block's),
+    ``kept`` under Swap Core's default ``selective`` recompute (the two block inputs, the norms'
+    inputs, the kernels' kept outputs) and ``block``, the largest block's saved bytes (live while
+    it is recomputed in the backward)."""
+    D, f32, bf = c.hidden_size, 4, 2
+    norms = 2 * f32 * D  # each RMSNorm keeps its fp32 input
+    if c.layer_types[i] == "full_attention":
+        H, qk, v = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+        attn = bf * D + bf * H * qk + bf * c.kv_lora_rank + bf * H * (qk + v) + bf * 2 * H * v  # x, q, latent, k v, o
+        kernel = 0  # one document: SDPA (recomputed); packed: the varlen kernels' o and lse
+    else:
+        HK, H = c.linear_num_heads * c.linear_head_dim, c.linear_num_heads
+        # x (bf16, read by the projections); q k v before and after their convolutions; the gate's
+        # input (bf16) and output (fp32); KDA's A_qk and inverse (bf16, 64 a head); its output (fp32),
+        # bf16 copy, the output gate and the norm's output
+        kernel = f32 * HK + 2 * bf * 64 * H
+        attn = bf * D + 6 * bf * HK + bf * HK + f32 * HK + 2 * bf * 64 * H + bf * HK * 3
+    k, E = c.num_experts_per_token, c.num_experts
+    if c.mlp_layer_types[i] == "sparse":
+        I, Is = c.moe_intermediate_size, c.num_shared_experts * c.moe_intermediate_size
+        # router scores (fp32); the experts' permuted input, gate/up product and output (bf16); the
+        # shared expert's input, gate, up and activation
+        mlp = f32 * E + k * (bf * D + bf * 2 * I + bf * D) + bf * D + 3 * bf * Is
+    else:
+        mlp = bf * D + 3 * bf * c.intermediate_size
+    return {"saved": norms + attn + mlp, "kept": norms + 2 * f32 * D + kernel, "block": max(attn, mlp)}
+
+
+def kimi_linear_memory(c: KimiLinearConfig, tokens: int, rank: int = 16, experts: bool = False,
+                       recompute: str = "none", cp: int = 1) -> dict[str, float]:
+    """Bytes one device holds at its peak training one sequence of ``tokens`` (a packed row or
+    one document) split over ``cp`` ranks, by part. Weights as the trainer stores them on a GPU
+    (bf16, fp32 where store_frozen leaves them), LoRA factors with their gradient and AdamW's
+    two moments (fp32), both sharded by FSDP over the ``cp`` ranks, the activations as
+    kimi_linear_token_bytes counts them, the fused loss's logits chunk and the fp32 gradients of
+    the residual stream in flight (three). Against the H200 (bench/e2e.py, bench/RESULTS.md): 1-4%
+    under the measured peak without recompute (8k, 32k), 15-16% under with ``selective`` at 128k
+    (what it leaves out: the recomputed block's gradients in flight)."""
+    T = -(-tokens // cp)
+    total, wide = kimi_linear_parameters(c)
+    weights = 2 * (total - wide) + 4 * wide
+    if cp > 1:  # FSDP shards them over the ranks, and gathers a layer (and prefetches the next) at a time
+        weights = weights / cp + 2 * 2 * (total - 2 * c.vocab_size * c.hidden_size) / c.num_hidden_layers
+    layers = [kimi_linear_token_bytes(c, i) for i in range(c.num_hidden_layers)]
+    if recompute == "none":
+        acts = {"activations kept": T * sum(l["saved"] for l in layers)}
+    else:
+        acts = {"activations kept": T * sum(l["kept"] for l in layers),
+                "the block being recomputed": T * max(l["block"] for l in layers)}
+    D = c.hidden_size
+    return {"weights": weights, "LoRA + grads + AdamW (fp32)": 16 * kimi_linear_lora(c, rank, experts) / cp,
+            **acts, "loss (logits chunk, dh, h)": min(LOSS_CHUNK, T * c.vocab_size * 2) + 2 * T * D * 2 + T * D * 4,
+            "residual gradients (fp32)": 3 * T * D * 4}
+
+
+def choose_cp(c: KimiLinearConfig, tokens: int, gpus: int, capacity_gb: float, **kw) -> int | None:
+    """The fewest ranks, a divisor of ``gpus``, over which a ``tokens`` sequence fits, with Swap
+    Core's recompute where no recompute does not fit; None when none does."""
+    for cp in (d for d in range(1, gpus + 1) if gpus % d == 0):
+        for recompute in ("none", "selective"):
+            if sum(kimi_linear_memory(c, tokens, cp=cp, recompute=recompute, **kw).values()) <= capacity_gb * GB:
+                return cp
+    return None
+
+
+def load_config(name: str) -> ModelConfig | KimiLinearConfig:
     if name == "flagship":
         return ModelConfig.flagship()
     if name == "debug":
         return ModelConfig.debug()
     raw = json.loads(Path(name).read_text())
+    if raw.get("model_type") == "kimi_linear":
+        return KimiLinearConfig.from_hf(raw)
     if raw.get("model_type") != "kiln_hybrid":
-        raise ValueError(f"{name}: the planner reads kiln_hybrid configs (model_type {raw.get('model_type')!r})")
+        raise ValueError(f"{name}: the planner reads kiln_hybrid and kimi_linear configs "
+                         f"(model_type {raw.get('model_type')!r})")
     return ModelConfig.from_json(json.dumps(raw["model"]))
+
+
+def kimi_linear_report(c: KimiLinearConfig, tokens: int, gpus: int, capacity_gb: float, rank: int,
+                       experts: bool) -> tuple[str, int]:
+    """The context-parallel size chosen for a ``tokens`` sequence, its memory by part; exit code."""
+    cp = choose_cp(c, tokens, gpus, capacity_gb, rank=rank, experts=experts)
+    if cp is None:
+        return f"a {tokens:,}-token sequence does not fit on {gpus} GPUs of {capacity_gb:.0f} GB", 1
+    recompute = "none" if sum(kimi_linear_memory(c, tokens, rank, experts, "none", cp).values()) <= capacity_gb * GB \
+        else "selective"
+    parts = kimi_linear_memory(c, tokens, rank, experts, recompute, cp)
+    lines = [f"a {tokens:,}-token sequence: parallel.cp_size {cp} ({-(-tokens // cp):,} tokens a rank), "
+             f"memory.recompute {recompute}", "", "| per device | GB |", "| --- | ---: |"]
+    lines += [f"| {k} | {v / GB:.2f} |" for k, v in parts.items()]
+    lines += [f"| **total** | **{sum(parts.values()) / GB:.2f}** of {capacity_gb:.0f} |"]
+    return "\n".join(lines), 0
 
 
 def main(argv: list[str] | None = None) -> int:
     a = argparse.ArgumentParser(prog="python -m engine.parallel.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("--model", default="flagship", help="flagship, debug, or a kiln_hybrid config.json")
+    a.add_argument("--model", default="flagship", help="flagship, debug, or a kiln_hybrid or kimi_linear config.json")
     a.add_argument("--gpus", type=int, required=True)
     a.add_argument("--gpus-per-node", type=int, default=8)
     a.add_argument("--gpu-memory-gb", type=float, default=141.0, help="H200: 141; H100: 80")
@@ -150,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--lora-rank", type=int, default=16)
     a.add_argument("--weights", choices=["bf16", "fp32"], default="bf16")
     a.add_argument("--no-recompute", action="store_true")
+    a.add_argument("--expert-lora", action="store_true", help="kimi_linear: LoRA on the experts too")
     args = a.parse_args(argv)
     try:
         c = load_config(args.model)
@@ -159,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus < 1:
         print("error: --gpus must be at least 1", file=sys.stderr)
         return 2
+    if isinstance(c, KimiLinearConfig):  # one sequence: how many ranks share it (context parallel)
+        text, code = kimi_linear_report(c, args.tokens, args.gpus, args.gpu_memory_gb, args.lora_rank, args.expert_lora)
+        print(text)
+        return code
     kw = dict(tokens=args.tokens, rank=args.lora_rank, weight_bytes=2 if args.weights == "bf16" else 4,
               capacity_gb=args.gpu_memory_gb, recompute=not args.no_recompute)
     plan = choose(c, args.gpus, **kw)

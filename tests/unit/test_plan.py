@@ -45,3 +45,54 @@ def test_too_small_a_cluster_says_how_many_gpus_fit(capsys):
     assert choose(c, need, **{**KW, "capacity_gb": 80.0}).fits
     assert not choose(c, need // 2, **{**KW, "capacity_gb": 80.0}).fits
     assert main(["--gpus", "8", "--model", "nope.json"]) == 2
+
+
+def kimi_48b_5l():
+    from bench.e2e import SHAPE
+    from engine.model.kimi_linear import KimiLinearConfig
+
+    return KimiLinearConfig.from_hf(dict(SHAPE))
+
+
+def test_kimi_linear_estimates_are_within_20_percent_of_the_h200_peaks():
+    """bench/e2e.py's measured peaks (bench/results/e2e.json, the H200), each row's memory mode."""
+    import json
+    from pathlib import Path
+
+    from engine.parallel.plan import kimi_linear_memory
+
+    rows = json.loads((Path(__file__).resolve().parents[2] / "bench/results/e2e.json").read_text())["rows"]
+    c = kimi_48b_5l()
+    checked = 0
+    for r in rows:
+        est = sum(kimi_linear_memory(c, r["tokens"], 16, r["experts"], r["kiln_memory"]).values()) / 2**30
+        assert abs(est / r["kiln_peak_gib"] - 1) < 0.2, (r["tokens"], r["layout"], est, r["kiln_peak_gib"])
+        checked += r["tokens"] == 131072
+    assert checked == 4  # the 128k rows: one document and packed, with and without expert LoRA
+
+
+def test_the_planner_chooses_the_fewest_context_parallel_ranks_that_fit():
+    from engine.parallel.plan import choose_cp, kimi_linear_memory
+
+    c = kimi_48b_5l()
+    assert choose_cp(c, 8192, 8, 141) == 1
+    assert choose_cp(c, 1 << 20, 8, 141) == 4
+    assert choose_cp(c, 1 << 20, 8, 80) == 8
+    assert choose_cp(c, 1 << 24, 8, 141) is None
+    four = sum(kimi_linear_memory(c, 1 << 20, cp=4, recompute="selective").values())
+    two = sum(kimi_linear_memory(c, 1 << 20, cp=2, recompute="selective").values())
+    assert four < 141e9 < two
+
+
+def test_the_command_line_plans_a_long_kimi_linear_sequence(tmp_path, capsys):
+    import json
+
+    from bench.e2e import SHAPE
+    from engine.parallel.plan import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({**SHAPE, "model_type": "kimi_linear"}))
+    assert main(["--model", str(cfg), "--gpus", "8", "--tokens", str(1 << 20)]) == 0
+    assert "a 1,048,576-token sequence: parallel.cp_size 4 (262,144 tokens a rank)" in capsys.readouterr().out
+    assert main(["--model", str(cfg), "--gpus", "8", "--tokens", str(1 << 24)]) == 1
+    assert "does not fit on 8 GPUs" in capsys.readouterr().out
