@@ -22,7 +22,7 @@ EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # experts: routed experts per MoE layer (parallel.ep_size must divide it). image_tokens None: a text-only model.
 # position_limit: the longest sequence the model's positions allow (kiln-tiny's max_position_embeddings, the
 # hybrid's RoPE max_seq_len); None: no limit (Kimi Linear: KDA and NoPE attention), any length that fits.
-# context_parallel: the family splits one sequence over ranks (parallel.cp_size > 1; Kimi Linear today).
+# context_parallel: the family splits one sequence over ranks (parallel.cp_size > 1; KDA + MLA or DSA models).
 # tokens_per_second only feeds the report's time estimate:
 # kiln-tiny's was measured (above); the two others are rough guesses for the reference kernels on
 # the 2-core VM, not measurements.
@@ -36,7 +36,7 @@ BASE_MODELS: dict[str, dict] = {
     "kiln-hybrid-tiny": {"created": 1796256000, "targets": KIMI_LINEAR_TARGETS + ("q_a_proj", "q_b_proj", "g_proj"),
                          "default_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "gate_proj",
                                              "up_proj", "down_proj"),
-                         "parameters": EXPERT_PARAMETERS, "experts": 4, "position_limit": 4096, "image_tokens": 16,
+                         "parameters": EXPERT_PARAMETERS, "experts": 4, "position_limit": 4096, "context_parallel": True, "image_tokens": 16,
                          "tokens_per_second": 500},
 }
 

@@ -308,7 +308,7 @@ def _train(spec: JobSpec, store: Store, reporter: Reporter, work: Path, mesh=Non
     model = load_base(model_dir)
     cfg = model.config
     if spec.parallel.cp_size > 1 and not getattr(model, "supports_context_parallel", False):
-        raise ValueError(f"parallel.cp_size: {spec.model} has no context-parallel form yet (Kimi Linear has); use 1")
+        raise ValueError(f"parallel.cp_size: {spec.model} has no context-parallel form yet; use 1")
     tok = load_tokenizer(model_dir)
     tpl = chat_template(tok)
     length = LengthBound(spec.model, position_limit(model), spec.max_seq_len)  # the API's rule (kiln.dataset)

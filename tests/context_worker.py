@@ -1,5 +1,5 @@
 """Run by torchrun from tests/unit/test_context_parallel.py (gloo on the CPU): one training step's
-forward and backward of a small Kimi Linear model through the trainer's own ``_accumulate``,
+forward and backward of a small Kimi Linear (or hybrid: ``--model hybrid``) model through the trainer's own ``_accumulate``,
 with each sequence split over ``--cp`` ranks (context parallel), FSDP2 and expert parallel as
 a real run applies them; or (``--world 1``, no torchrun) the same step in one process.
 
@@ -16,9 +16,11 @@ import os
 
 import torch
 
+from engine.config import ModelConfig
 from engine.data import IGNORE, Sample
 from engine.lora import apply_lora
 from engine.memory import apply_swap_core
+from engine.model.hybrid import HybridForCausalLM
 from engine.model.kimi_linear import KimiLinearForCausalLM
 from engine.models import init_kimi_linear, kimi_linear_tiny_config
 from engine.spec import LoraSpec, MemorySpec
@@ -28,11 +30,22 @@ from engine.trainer import _accumulate
 LENGTHS = [[190, 1, 57], [120, 3, 90, 35]]
 
 
-def build() -> tuple[KimiLinearForCausalLM, list[Sample]]:
+def build(kind: str = "kimi") -> tuple[torch.nn.Module, list[Sample]]:
+    """Kimi Linear's tiny model, or (``hybrid``) the hybrid's: 3 KDA + 1 Gated DSA (top-8 of the
+    keys: a real selection), AttnRes, LatentMoE, no images."""
     torch.manual_seed(0)
-    model = KimiLinearForCausalLM(kimi_linear_tiny_config())
-    init_kimi_linear(model, 5)
-    apply_lora(model, LoraSpec(rank=4, target_modules=["q_proj", "k_proj", "o_proj", "kv_b_proj", "gate_proj"],
+    if kind == "hybrid":
+        c = ModelConfig.debug(vocab_size=256)
+        c.layers, c.vision = 4, None
+        model = HybridForCausalLM(c)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.1)
+    else:
+        model = KimiLinearForCausalLM(kimi_linear_tiny_config())
+        init_kimi_linear(model, 5)
+    apply_lora(model, LoraSpec(rank=4, target_modules=["q_proj", "k_proj", "o_proj", "kv_b_proj", "gate_proj"]
+                               + (["q_b_proj"] if kind == "hybrid" else []),
                                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     with torch.no_grad():  # B = 0 at init would leave A without a gradient
         for p in model.parameters():
@@ -68,9 +81,10 @@ def main() -> None:
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--world", type=int, default=0, help="1: one process, no torchrun")
     p.add_argument("--memory", default="none", help="Swap Core's recompute: none, full or selective")
+    p.add_argument("--model", default="kimi", choices=["kimi", "hybrid"])
     p.add_argument("--out", required=True)
     a = p.parse_args()
-    model, samples = build()
+    model, samples = build(a.model)
     apply_swap_core(model, MemorySpec(recompute=a.memory, cache_ops=["mm", "kernels"]))
     if a.world == 1:
         torch.save(step(model, samples, None, torch.device("cpu")), a.out)

@@ -92,7 +92,10 @@ class GatedDSAttention(nn.Module):
         self.last_indexer_loss: torch.Tensor | None = None
 
     def forward(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor | None = None,
-                doc_ids_BT: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids_BT: torch.Tensor | None = None, cp=None) -> torch.Tensor:
+        """``cp`` (engine.parallel.context.ContextShard): x is one rank's slice of a sequence; the
+        keys (the latent rows, RoPE'd key dims and the indexer's keys, one gathered row a token)
+        come from every rank, the queries the last T of them."""
         B, T, _ = x_BTD.shape
         x_BTD = autocast_input(x_BTD)
         pos = positions_BT if positions_BT is not None else torch.arange(T, device=x_BTD.device).expand(B, T)
@@ -107,6 +110,14 @@ class GatedDSAttention(nn.Module):
             k_rot = rope_interleaved(k_rot, cos, sin)
         latent = self.kv_a_layernorm(latent)
         index_q, index_k, index_w = self.indexer(x_BTD.detach(), q_resid.detach(), cos, sin)  # learns from its loss only
+        if cp is not None:
+            widths = [self.rank, self.rope, index_k.shape[-1]]
+            rows = cp.key_rows(torch.cat([latent, k_rot.to(latent.dtype), index_k.to(latent.dtype)], -1)[0],
+                               (id(self), "kv"))
+            latent, k_rot, index_k = rows[None].split(widths, -1)
+            k_rot, index_k = k_rot.to(q_rot.dtype), index_k.to(index_q.dtype)
+            starts = cp.key_starts(starts)
+        S = latent.shape[1]
         idx = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), starts, self.topk)
         scale = (self.nope + self.rope) ** -0.5
         # the indexer's target and KL loss only where it can learn from them (full training, or
@@ -119,9 +130,9 @@ class GatedDSAttention(nn.Module):
             o, weights = self._attend(q, k.to(q.dtype), latent[:, :, None].to(q.dtype), idx, scale, learns)
             o = torch.einsum("bthr,hvr->bthv", o, down.to(o.dtype))
         else:
-            k_nope, v = self.kv_b_proj(latent).view(B, T, self.H, -1).split([self.nope, self.v], -1)
+            k_nope, v = self.kv_b_proj(latent).view(B, S, self.H, -1).split([self.nope, self.v], -1)
             q = torch.cat([q_nope, q_rot], -1)
-            k = torch.cat([k_nope, k_rot[:, :, None].expand(B, T, self.H, self.rope)], -1)
+            k = torch.cat([k_nope, k_rot[:, :, None].expand(B, S, self.H, self.rope)], -1)
             o, weights = self._attend(q, k, v, idx, scale, learns)
         self.last_indexer_loss = indexer_kl_loss(index_q, index_k, index_w, idx, weights) if learns else None
         o = o.reshape(B, T, -1)

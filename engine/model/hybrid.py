@@ -38,11 +38,12 @@ class HybridLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden, c.rms_eps)
 
     def forward(self, res: Residuals, i: int, cu: torch.Tensor | None, positions_BT: torch.Tensor | None,
-                doc_ids_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                doc_ids_BT: torch.Tensor | None, cp=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``: attention, then the MLP, each reading its AttnRes site and adding its output
-        to ``res``. Returns both outputs (FSDP's hooks need the block to return what it made)."""
+        to ``res``. Returns both outputs (FSDP's hooks need the block to return what it made).
+        ``cp``: a context-parallel rank's slice (engine.parallel.context)."""
         h = self.input_layernorm(res.input(2 * i))
-        a = self.self_attn(h, cu) if self.kind == "kda" else self.self_attn(h, positions_BT, doc_ids_BT)
+        a = self.self_attn(h, cu, cp) if self.kind == "kda" else self.self_attn(h, positions_BT, doc_ids_BT, cp)
         res.add(a)
         m = self.mlp(self.post_attention_layernorm(res.input(2 * i + 1)))
         res.add(m)
@@ -50,6 +51,8 @@ class HybridLayer(nn.Module):
 
 
 class HybridForCausalLM(CausalLM, nn.Module):
+    supports_context_parallel = True
+
     def __init__(self, config: ModelConfig, image_token_id: int | None = None):
         super().__init__()
         c = self.config = config
@@ -82,8 +85,10 @@ class HybridForCausalLM(CausalLM, nn.Module):
         return torch.stack(losses).sum() if losses else None
 
     def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """The final norm's output [B, T, D]."""
+               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
+               cp=None) -> torch.Tensor:
+        """The final norm's output [B, T, D]. ``cp``: the one row is a context-parallel rank's
+        slice of a sequence (engine.parallel.context; text only)."""
         B, T = input_ids_BT.shape
         if doc_ids_BT is not None and B > 1:  # rows end to end: one KDA state per document
             pos = positions_BT.reshape(1, B * T) if positions_BT is not None else None
@@ -98,5 +103,5 @@ class HybridForCausalLM(CausalLM, nn.Module):
         cu = cu_seqlens(doc_ids_BT) if doc_ids_BT is not None else None
         res = Residuals(x, self.attn_res, self.config.attn_res_block)
         for i, layer in enumerate(self.layers):
-            layer(res, i, cu, positions_BT, doc_ids_BT)
+            layer(res, i, cu, positions_BT, doc_ids_BT, cp)
         return self.norm(res.input(2 * len(self.layers)))

@@ -175,13 +175,23 @@ class ContextShard:
             return out
         return _StateOut.apply(final_state, out, self)
 
-    def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
-        """The key rows every query of the slice attends to, [S, C]: the whole sequence's rows from
-        the start of the slice's first document to the slice's end, and their documents' host
-        offsets (the queries', ``cu``, shifted by the first document's earlier part)."""
+    def key_rows(self, rows_TC: torch.Tensor, key) -> torch.Tensor:
+        """The key rows every query of the slice may attend to, [S, C]: the whole sequence's rows
+        from the start of the slice's first document to the slice's end (the queries are the last
+        T of them)."""
         every = self._once(key, lambda: _Gather.apply(rows_TC, self))
+        return every[self.first_doc_start:self.end]
+
+    def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key_rows``, and their documents' host offsets (the queries', ``cu``, shifted by the
+        first document's earlier part)."""
         before = self.start - self.first_doc_start
-        return every[self.first_doc_start:self.end], torch.cat([cu[:1], cu[1:] + before])
+        return self.key_rows(rows_TC, key), torch.cat([cu[:1], cu[1:] + before])
+
+    def key_starts(self, starts_BT: torch.Tensor) -> torch.Tensor:
+        """Each query's document start among ``key_rows`` from its start in the slice: the first
+        document begins at key 0, the others after the first's earlier part."""
+        return torch.where(starts_BT == 0, 0, starts_BT + self.start - self.first_doc_start)
 
 
 def _offsets(doc_ids: torch.Tensor) -> torch.Tensor:

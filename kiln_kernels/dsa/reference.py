@@ -1,7 +1,7 @@
 """DeepSeek Sparse Attention: the lightning indexer with its top-k, attention over the selected
 keys, and the indexer's training loss. The reference: dense scores and gathers, readable.
 
-    I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s] / sqrt(d))    (starts[t] <= s <= t)
+    I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s] / sqrt(d))    (starts[t] <= s <= t + S - T)
     S_t     = top-k_s I[t, s]                                     (k = 2048 in DeepSeek V3.2 / K3)
     o_t,h   = softmax over s in S_t of (scale * Q_t,h . K_s) V_s
     L_I     = sum_t KL(p_t || softmax(I_t restricted to S_t)) / B,  p_t = the main attention's
@@ -15,7 +15,8 @@ Selections are index lists ``idx_BTK``: key positions, valid ones first, -1 for 
 allowed fewer than k keys). Keys come in groups: ``k_BSGD`` holds G key heads, each shared by
 H / G query heads (G = 1 is MLA's absorbed, multi-query form; G = H plain multi-head).
 
-Legend: B batch, T queries, S keys (= T), H heads, G key heads, J index heads, D dims, K top-k.
+Legend: B batch, T queries, S keys (= T; more under context parallel, the queries then the last T
+of them, B = 1), H heads, G key heads, J index heads, D dims, K top-k.
 """
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ import torch.nn.functional as F
 
 
 def allowed_keys(starts_BT: torch.Tensor, S: int) -> torch.Tensor:
-    """[B, T, S] bool: starts[t] <= s <= t."""
+    """[B, T, S] bool: starts[t] <= s <= t + S - T. The T queries are the last T of the S keys
+    (S = T but under context parallel, where a rank's queries see the keys of earlier ranks)."""
     s = torch.arange(S, device=starts_BT.device)
-    t = torch.arange(starts_BT.shape[1], device=starts_BT.device)
+    t = torch.arange(starts_BT.shape[1], device=starts_BT.device) + S - starts_BT.shape[1]
     return (s >= starts_BT[..., None]) & (s <= t[:, None])
 
 

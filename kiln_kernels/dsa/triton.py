@@ -47,26 +47,36 @@ def _counts(idx_BTK: torch.Tensor) -> torch.Tensor:
     return (idx_BTK >= 0).sum(-1, dtype=torch.int32)
 
 
+def _one_row_if_longer(q: torch.Tensor, k: torch.Tensor) -> None:
+    """The attention and KL kernels find a selected key's row as b * T + index: keys longer than
+    the queries (context parallel) come one row at a time."""
+    if k.shape[1] != q.shape[1] and q.shape[0] != 1:
+        raise ValueError(f"keys longer than the queries ({k.shape[1]} > {q.shape[1]}) need one row, got {q.shape[0]}")
+
+
 # --------------------------------------------------------------------------------------------
 # indexer scores and top-k
 
 
 @triton.jit
-def _index_keys(Q, Kx, W, STARTS, OUT, t0, t1, T, scale, J: tl.constexpr,
+def _index_keys(Q, Kx, W, STARTS, OUT, t0, t1, T, S, scale, J: tl.constexpr,
                 DH: tl.constexpr, DH_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """Sort keys of queries [t0, t1) against keys [0, t1 + S - T): the queries are the last T of
+    the S keys (S = T but under context parallel)."""
     pm, pn, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = t0 + pm * BM + tl.arange(0, BM)
     cols = pn * BN + tl.arange(0, BN)
+    width = t1 + S - T
     row_ok = rows < t1
-    col_ok = cols < t1
+    col_ok = cols < width
     starts = tl.load(STARTS + b * T + rows, mask=row_ok, other=0)
     lo = tl.min(tl.where(row_ok, starts, 2147483647), 0)
-    hi = tl.max(tl.where(row_ok, rows, -1), 0)
+    hi = tl.max(tl.where(row_ok, rows + S - T, -1), 0)
     d = tl.arange(0, DH_PAD)
     dm = d < DH
     acc = tl.zeros([BM, BN], tl.float32)
     if (pn * BN <= hi) & (pn * BN + BN > lo):
-        k = tl.load(Kx + (b * T + cols[:, None]).to(tl.int64) * DH + d[None, :], mask=col_ok[:, None] & dm[None, :],
+        k = tl.load(Kx + (b * S + cols[:, None]).to(tl.int64) * DH + d[None, :], mask=col_ok[:, None] & dm[None, :],
                     other=0.0)
         for j in range(J):
             q = tl.load(Q + ((b * T + rows[:, None]).to(tl.int64) * J + j) * DH + d[None, :],
@@ -78,29 +88,31 @@ def _index_keys(Q, Kx, W, STARTS, OUT, t0, t1, T, scale, J: tl.constexpr,
     bits = acc.to(tl.int32, bitcast=True)
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
-    allowed = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None])
+    allowed = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None] + S - T)
     none = tl.full([BM, BN], -2147483648, tl.int32).to(tl.int64) << 32
     key = tl.where(allowed, key, none)
-    out = OUT + (b * (t1 - t0) + rows[:, None] - t0).to(tl.int64) * t1 + cols[None, :]
+    out = OUT + (b * (t1 - t0) + rows[:, None] - t0).to(tl.int64) * width + cols[None, :]
     tl.store(out, key, mask=row_ok[:, None] & col_ok[None, :])
 
 
 def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
                  topk: int) -> torch.Tensor:
     B, T, J, DH = q_BTJD.shape
-    K = min(topk, T)
+    S = k_BSD.shape[1]
+    K = min(topk, S)
     q, k, w = q_BTJD.contiguous(), k_BSD.contiguous(), w_BTJ.contiguous()
     starts = starts_BT.to(torch.int32).contiguous()
     idx = torch.full((B, T, K), -1, dtype=torch.int32, device=q.device)
     BM, BN = 64, 64
-    rows = max(BM, (2**31 // 8) // (B * T) // BM * BM)  # queries per chunk: at most 2 GiB of sort keys
+    rows = max(BM, (2**31 // 8) // (B * S) // BM * BM)  # queries per chunk: at most 2 GiB of sort keys
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
-        keys = torch.empty(B, t1 - t0, t1, dtype=torch.int64, device=q.device)
-        grid = (triton.cdiv(t1 - t0, BM), triton.cdiv(t1, BN), B)
-        _index_keys[grid](q, k, w, starts, keys, t0, t1, T, DH ** -0.5, J=J, DH=DH, DH_PAD=_pow2(DH), BM=BM, BN=BN,
+        width = t1 + S - T  # the keys these queries may see, at most
+        keys = torch.empty(B, t1 - t0, width, dtype=torch.int64, device=q.device)
+        grid = (triton.cdiv(t1 - t0, BM), triton.cdiv(width, BN), B)
+        _index_keys[grid](q, k, w, starts, keys, t0, t1, T, S, DH ** -0.5, J=J, DH=DH, DH_PAD=_pow2(DH), BM=BM, BN=BN,
                           PREC=dot_precision(q))
-        best = keys.topk(min(K, t1), dim=-1, sorted=False).values
+        best = keys.topk(min(K, width), dim=-1, sorted=False).values
         pos = torch.where(best == NONE, -1, 0x7FFFFFFF - (best & 0xFFFFFFFF)).to(torch.int32)
         idx[:, t0:t1, :pos.shape[-1]] = pos.sort(-1, descending=True).values
     return idx
@@ -390,6 +402,7 @@ class _SparseAttention(torch.autograd.Function):
 
 def sparse_attention(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGE: torch.Tensor, idx_BTK: torch.Tensor,
                      scale: float, with_weights: bool = False):
+    _one_row_if_longer(q_BTHD, k_BSGD)
     dt = q_BTHD.dtype
     o, p = _SparseAttention.apply(q_BTHD, k_BSGD.to(dt), v_BSGE.to(dt), idx_BTK, scale, with_weights)
     return (o, p) if with_weights else o
@@ -522,4 +535,5 @@ class _IndexerKL(torch.autograd.Function):
 
 def indexer_kl_loss(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, idx_BTK: torch.Tensor,
                     p_BTK: torch.Tensor) -> torch.Tensor:
+    _one_row_if_longer(q_BTJD, k_BSD)
     return _IndexerKL.apply(q_BTJD, k_BSD, w_BTJ, idx_BTK, p_BTK)

@@ -76,6 +76,22 @@ def test_topk_selects_the_best_keys(B, T, J, DH, topk, packed, dtype):
     assert (idx == want).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("S,T,topk,packed", [(90, 37, 8, True), (64, 64, 16, False), pytest.param(3000, 1000, 512, True,
+                                                                                            marks=gpu_only)])
+def test_topk_of_the_last_queries_against_earlier_keys(S, T, topk, packed):
+    """Context parallel's form: queries that are the last T of S keys choose what the same
+    queries choose when every key's query is there too (their starts as they were)."""
+    from kiln_kernels.dsa.triton import indexer_topk
+
+    q, k, w = indexer_inputs(1, S, 4, 16, torch.float32, seed=S, exact_dots=True)
+    st = starts(1, S, packed)
+    whole = indexer_topk(q, k, w, st, topk)
+    last = indexer_topk(q[:, -T:], k, w[:, -T:], st[:, -T:], topk)
+    assert torch.equal(last, whole[:, -T:])
+    want = R.indexer_topk(q[:, -T:].double(), k.double(), w[:, -T:].double(), st[:, -T:], topk)
+    assert want.shape == last.shape and (last == want).float().mean() > 0.99  # fp32 sums: only near-ties may swap
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,H,G,D,E,topk,packed", ATTN)
 def test_sparse_attention_matches_the_reference(B, T, H, G, D, E, topk, packed, dtype):

@@ -1,4 +1,5 @@
 """Context parallel on the CPU (gloo), launched by torchrun as a real run is: a Kimi Linear step
+(and the hybrid's: KDA and Gated DSA)
 whose sequences are split over 2 and 4 ranks (documents crossing every slice boundary, KDA's
 state and convolution and MLA's keys passed between ranks) gives the loss, the counts and the
 LoRA gradients of one process; with Swap Core's recompute too; and the slicing itself."""
@@ -28,6 +29,19 @@ def run(tmp_path, world: int, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def one(tmp_path_factory):
     return run(tmp_path_factory.mktemp("one"), 1)
+
+
+def test_the_hybrid_with_gated_dsa_trains_split_as_one_process(tmp_path):
+    """KDA and Gated DSA (its latent rows, RoPE'd keys and indexer keys gathered; the indexer's
+    top-k over the earlier ranks' keys) at 2 and 4 ranks."""
+    one = run(tmp_path, 1, "--model", "hybrid")
+    for world in (2, 4):
+        got = run(tmp_path, world, "--cp", str(world), "--model", "hybrid")
+        assert got["targets"] == one["targets"] and got["loss"] == pytest.approx(one["loss"], rel=1e-6)
+        assert set(got["grads"]) == set(one["grads"])
+        for name, g in one["grads"].items():
+            assert g.norm() > 0, name
+            assert rel(got["grads"][name], g) < 1e-5, (world, name, rel(got["grads"][name], g))
 
 
 @pytest.fixture(scope="module")
