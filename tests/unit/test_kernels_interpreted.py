@@ -27,4 +27,4 @@ def test_triton_kernels_in_the_interpreter():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
                           *FILES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "\n52 passed, 96 skipped" in run.stdout, run.stdout[-2000:]  # the small shapes ran, the GPU-only ones not
+    assert "\n58 passed, 101 skipped" in run.stdout, run.stdout[-2000:]  # the small shapes ran, the GPU-only ones not
