@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.model.layers import CausalLM, RMSNorm, autocast_input, cu_seqlens, rows_end_to_end
+from engine.model.layers import CausalLM, RMSNorm, autocast_input, row_documents
 from kiln_kernels.attention import varlen_attention
 from kiln.tokenizer import ByteTokenizer
 
@@ -162,7 +162,7 @@ class TinyForCausalLM(CausalLM, nn.Module):
         (packed rows) a token attends only to earlier tokens of its own document."""
         x = self.model.embed_tokens(input_ids_BT)
         B, T = input_ids_BT.shape
-        cu = cu_seqlens(rows_end_to_end(doc_ids_BT)) if doc_ids_BT is not None else torch.arange(0, B * T + 1, T)
+        cu = row_documents(doc_ids_BT, B, T)
         slots = input_ids_BT == self.config.image_token_id
         n_slots = int(slots.sum())
         if n_slots:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from engine.model.layers import CausalLM, GatedRMSNorm, RMSNorm, autocast_input, cu_seqlens, f32, rows_end_to_end
+from engine.model.layers import CausalLM, GatedRMSNorm, RMSNorm, autocast_input, f32, row_documents
 from engine.model.moe import MLP, MoE
 from kiln_kernels.attention import varlen_attention
 from kiln_kernels.conv import short_conv
@@ -228,7 +228,7 @@ class KimiLinearForCausalLM(CausalLM, nn.Module):
         if pixels_NCHW is not None and pixels_NCHW.numel():
             raise ValueError("Kimi Linear takes no image input")
         B, T = input_ids_BT.shape
-        cu = cu_seqlens(rows_end_to_end(doc_ids_BT)) if doc_ids_BT is not None else torch.arange(0, B * T + 1, T)
+        cu = row_documents(doc_ids_BT, B, T)
         x = self.model.embed_tokens(input_ids_BT.reshape(1, B * T))
         for layer in self.model.layers:
             x = layer(x, cu, cp)

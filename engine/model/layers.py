@@ -71,6 +71,12 @@ def cu_seqlens(doc_ids_1T: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts, torch.tensor([len(d)])])
 
 
+def row_documents(doc_ids_BT: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
+    """The host offsets of the documents of B rows of T tokens laid end to end: each row one
+    document, or with ``doc_ids_BT`` (packed rows) every document and each row's padding."""
+    return cu_seqlens(rows_end_to_end(doc_ids_BT)) if doc_ids_BT is not None else torch.arange(0, B * T + 1, T)
+
+
 def next_token_loss(head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor,
                     ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean cross-entropy of each next token over the targets (0 without any) and how many of

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.memory import recomputing
+from engine.model.layers import cu_seqlens, rows_end_to_end
 
 IGNORE = -100
 
@@ -157,7 +158,7 @@ class ContextShard:
         ids = torch.cat([self.docs[max(self.start - n, 0):self.start], self.docs[self.start:self.end]])
         if self.start < n:  # the first rank: n rows of zeros, a document of their own
             ids = torch.cat([torch.full((n - self.start,), -1, dtype=ids.dtype), ids])
-        return torch.cat([prev[None].to(x_1TC.dtype), x_1TC], 1), _offsets(ids)
+        return torch.cat([prev[None].to(x_1TC.dtype), x_1TC], 1), cu_seqlens(ids[None])
 
     def state_in(self, like: torch.Tensor, shape: tuple[int, ...], n_docs: int, key) -> torch.Tensor:
         """The initial states of the slice's documents [N, H, K, V] (fp32, on ``like``'s device):
@@ -194,12 +195,6 @@ class ContextShard:
         return torch.where(starts_BT == 0, 0, starts_BT + self.start - self.first_doc_start)
 
 
-def _offsets(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Host offsets of the runs of equal ids."""
-    starts = torch.nonzero(torch.diff(doc_ids, prepend=doc_ids[:1] - 1)).flatten()
-    return torch.cat([starts, torch.tensor([len(doc_ids)])])
-
-
 def split(batch: dict, pad_id: int, group, rank: int, size: int) -> tuple[dict, ContextShard]:
     """This rank's slice of a collated batch, its rows laid end to end as one sequence (padded with
     a document of pad tokens to a multiple of ``size``, at least 4 tokens a slice), and its shard.
@@ -208,9 +203,8 @@ def split(batch: dict, pad_id: int, group, rank: int, size: int) -> tuple[dict, 
         raise ValueError("context parallel (parallel.cp_size > 1) takes text-only data for now")
     ids, labels = batch["input_ids_BT"], batch["labels_BT"]
     B, T = ids.shape
-    docs = batch["doc_ids_BT"]
-    docs = (docs + torch.arange(B)[:, None] * (T + 1)).where(docs >= 0, T + torch.arange(B)[:, None] * (T + 1)) \
-        if docs is not None else torch.arange(B)[:, None].expand(B, T) * (T + 1)
+    docs = batch["doc_ids_BT"]  # rows laid end to end as the models lay them (unpacked: a row one document)
+    docs = rows_end_to_end(docs if docs is not None else torch.zeros(B, T, dtype=torch.long))[0]
     pos = batch["positions_BT"] if batch["positions_BT"] is not None else torch.arange(T).expand(B, T)
     L = B * T
     per = max(-(-L // size), 4)
