@@ -26,7 +26,13 @@ def test_no_input_gives_a_server_error(make_pg_stack, tmp_path):
         ckpt = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"][0]
         spare = c.post("/v1/keys", json={"name": "spare"}).json()
     config = tmp_path / "schemathesis.toml"
+    # schemathesis's cache (crashes and observations that later runs replay) and, by the working
+    # directory, hypothesis's example database in this test's own folder: every run starts from
+    # none, as on a fresh checkout (the seed fixes the rest), and none is written into the repository
     config.write_text(f'''
+[cache]
+directory = "{tmp_path / 'schemathesis-cache'}"
+
 [parameters]
 "path.job_id" = "{job['id']}"
 "path.file_id" = "{f['id']}"
@@ -37,7 +43,7 @@ def test_no_input_gives_a_server_error(make_pg_stack, tmp_path):
     run = subprocess.run([str(Path(sys.executable).parent / "schemathesis"), "--config-file", str(config), "run",
                           f"{stack.base_url}/openapi.json", "-H", f"Authorization: Bearer {stack.keys['alice']}",
                           "--checks", "not_a_server_error", "--max-examples", "40", "--request-timeout", "20",
-                          "--seed", "20261202"], capture_output=True, text=True, timeout=600)
+                          "--seed", "20261202"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
     assert "passed" in run.stdout and "failed" not in run.stdout.split("SUMMARY")[-1].lower()
     with stack.client() as c:  # the service still works after the fuzzing
