@@ -1,8 +1,8 @@
 """MoE experts, forward + backward (gradients of the rows and of the expert weights), at
 realistic shapes: the per-expert loop (kiln_kernels/moe/reference.py), torch._grouped_mm
 (kiln_kernels/moe/grouped.py, the engine's CUDA path), the Triton grouped GEMM
-(kiln_kernels/moe/triton.py) and, as the ceiling, one dense bf16 GEMM chain of the same FLOPs, in
-one run.
+(kiln_kernels/experimental/grouped_gemm.py, not used by the engine) and, as the ceiling, one dense
+bf16 GEMM chain of the same FLOPs, in one run.
 
     python3 -m bench.moe        # tokens 16k / 64k, experts 64 / 256, top-8 / 16, D 2048, I 1024, bf16
     python3 -m bench.moe --tune # first the Triton grouped GEMM's configurations, each GEMM alone against
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.cuda_time import median_ms
+from kiln_kernels.experimental import grouped_gemm
 from kiln_kernels.moe import grouped, reference
 from kiln_kernels.moe import triton as fused
 
@@ -97,12 +98,13 @@ def tune(D: int, I: int) -> list[dict]:
               "dW": clock(lambda: torch._grouped_mm(dy.T, x, offs=offs))}
     print("torch._grouped_mm ms: " + ", ".join(f"{n} {t:.3f}" for n, t in theirs.items()), flush=True)
     tried = [{"which": "torch._grouped_mm", "ms": theirs}]
-    ours = {"y": lambda: fused._rows_gemm(x, W, offs, False), "dx": lambda: fused._rows_gemm(dy, W, offs, True),
-            "dW": lambda: fused._weights_gemm(dy, x, offs, E)}
+    ours = {"y": lambda: grouped_gemm._rows_gemm(x, W, offs, False),
+            "dx": lambda: grouped_gemm._rows_gemm(dy, W, offs, True),
+            "dW": lambda: grouped_gemm._weights_gemm(dy, x, offs, E)}
     for which, cands, gemms in [("rows", ROWS, ["y", "dx"]), ("weights", WEIGHTS, ["dW"])]:
         best, best_ms = None, float("inf")
         for cfg in cands:
-            fused.CONFIG[which] = cfg
+            grouped_gemm.CONFIG[which] = cfg
             try:
                 err = {n: ((ours[n]().float() - want[n].float()).norm() / want[n].float().norm()).item() for n in gemms}
                 ms = {n: clock(ours[n]) for n in gemms}
@@ -115,7 +117,7 @@ def tune(D: int, I: int) -> list[dict]:
                                                 for n, t in ms.items()), flush=True)
             if sum(ms.values()) < best_ms and max(err.values()) < 1e-2:
                 best, best_ms = cfg, sum(ms.values())
-        fused.CONFIG[which] = best
+        grouped_gemm.CONFIG[which] = best
     return tried
 
 
@@ -133,7 +135,7 @@ def main() -> None:
     rows, moves, tried = [], [], []
     if a.tune:
         tried = tune(D, I)
-        print(f"with {fused.CONFIG}\n")
+        print(f"with {grouped_gemm.CONFIG}\n")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; D={D}, I={I}, bf16, fwd+bwd")
     print("| tokens | experts | top-k | method | ms | TFLOP/s | vs torch._grouped_mm | vs dense |")
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
@@ -154,7 +156,7 @@ def main() -> None:
 
         methods = {"per-expert loop": lambda: reference.grouped_mlp(x, counts, W1, W2, swiglu),
                    "torch._grouped_mm": lambda: grouped.grouped_mlp(x, counts, W1, W2, swiglu),
-                   "Triton grouped GEMM": lambda: fused.grouped_mlp(x, counts, W1, W2, swiglu),
+                   "Triton grouped GEMM": lambda: grouped_gemm.grouped_mlp(x, counts, W1, W2, swiglu),
                    "dense GEMMs (ceiling)": dense}
         ms = {name: timed(fn, [x, W1, W2, d1, d2]) for name, fn in methods.items()}
         flops = 18 * M * D * I
@@ -176,7 +178,7 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                        "hidden": D, "inter": I, "rows": rows, "permute": moves, "tune": tried,
-                                       "config": fused.CONFIG}, indent=2))
+                                       "config": grouped_gemm.CONFIG}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """MoE experts on grouped rows: ``reference.py`` (a loop over the experts, the definition) and
 ``grouped.py`` (torch._grouped_mm on CUDA, one signature); ``grouped_mlp`` picks. ``triton.py``
-has the permute / unpermute kernels the engine uses on CUDA, and a Triton grouped GEMM that is
-not used: with both weights trained it is 1.00x-1.05x torch's on the H200, but its rows GEMMs
-(all that LoRA training runs) are 0.96x-0.98x torch's (bench/RESULTS.md)."""
+has the permute / unpermute kernels the engine uses on CUDA. A Triton grouped GEMM, measured and
+not used, is in ``kiln_kernels/experimental/grouped_gemm.py`` (measured: see bench/RESULTS.md,
+"MoE grouped GEMM at torch's speed")."""
 from __future__ import annotations
 
 from typing import Callable

@@ -36,7 +36,8 @@ def gmm(x_MK: torch.Tensor, W_ENK: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 def mlp(gmm: Callable, x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor,
         down_EDI: torch.Tensor, act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
-    """The experts through a grouped GEMM ``gmm`` (torch's here, Triton's in triton.py), in bf16."""
+    """The experts through a grouped GEMM ``gmm`` (torch's here; kiln_kernels/experimental/grouped_gemm.py
+    passes its Triton one), in bf16."""
     lora = lora or {}
     offs = counts_E.cumsum(0).to(torch.int32)
     with torch.autocast("cuda", enabled=False):

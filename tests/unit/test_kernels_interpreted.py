@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = ["tests/gpu/test_dsa_cuda.py", "tests/gpu/test_moe_triton.py", "tests/gpu/test_loss_cuda.py",
-         "tests/gpu/test_attnres_cuda.py", "tests/gpu/test_kda_cuda.py", "tests/gpu/test_kept_kernels.py",
-         "tests/gpu/test_conv_cuda.py", "tests/gpu/test_norm_cuda.py"]
+FILES = ["tests/gpu/test_dsa_cuda.py", "tests/gpu/test_moe_triton.py", "tests/gpu/test_grouped_gemm.py",
+         "tests/gpu/test_loss_cuda.py", "tests/gpu/test_attnres_cuda.py", "tests/gpu/test_kda_cuda.py",
+         "tests/gpu/test_kept_kernels.py", "tests/gpu/test_conv_cuda.py", "tests/gpu/test_norm_cuda.py"]
 
 
 @pytest.mark.timeout(600)  # ~270 s alone on the 2-core CI machine: the default 300 s is too close
