@@ -10,18 +10,20 @@ bf16 GEMM chain of the same FLOPs, in one run.
 
 Rows per expert follow a random router (softmax of Gaussian logits, top-k), so groups are uneven
 as in training. 18 M D I FLOPs a call (M = tokens * k). Median of 5 timed calls after 2.
-Writes bench/results/moe.json (with --tune, every candidate's times and the configuration used).
+Writes its results (with --tune, every candidate's times and the configuration used) as variant
+``--variant`` (default "default") of bench/results/moe.json, keeping the file's other variants
+(bench/variants.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+import sys
 
 import torch
 import torch.nn.functional as F
 
 from bench.cuda_time import median_ms
+from bench.variants import write_variant
 from kiln_kernels.experimental import grouped_gemm
 from kiln_kernels.moe import grouped, reference
 from kiln_kernels.moe import triton as fused
@@ -129,7 +131,10 @@ def main() -> None:
     p.add_argument("--tune", action="store_true")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=1024)
-    p.add_argument("--out", default="bench/results/moe.json")
+    p.add_argument("--variant", default="default",
+                   help="the name this run's results are kept under in the results file (its other variants stay)")
+    p.add_argument("--out", default="bench/results/moe.json",
+                   help="the results file: the bench's own by default, another path for a trial run")
     a = p.parse_args()
     D, I = a.hidden, a.inter
     rows, moves, tried = [], [], []
@@ -175,10 +180,9 @@ def main() -> None:
     for m in moves:
         print(f"| {m['tokens']} | {m['experts']} | {m['top_k']} | {m['torch_ms']:.2f} | {m['triton_ms']:.2f} | "
               f"{m['torch_ms'] / m['triton_ms']:.2f}x |")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                       "hidden": D, "inter": I, "rows": rows, "permute": moves, "tune": tried,
-                                       "config": grouped_gemm.CONFIG}, indent=2))
+    write_variant(a.out, a.variant, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                     "hidden": D, "inter": I, "rows": rows, "permute": moves, "tune": tried,
+                                     "config": grouped_gemm.CONFIG}, "bench.moe", sys.argv[1:])
 
 
 if __name__ == "__main__":

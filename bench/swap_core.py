@@ -11,7 +11,8 @@ lr 0, so every mode starts from the same weights): ``--warmup`` steps, then the 
 The first step's gradients are compared with the no-recompute run's (bit-equal expected without
 quantization). Baseline: full recompute, measured in the same run (the issue's goal: >= 1.15x its
 speed at <= 1.1x its peak memory).
-Writes bench/results/swap_core.json.
+Writes its results as variant ``--variant`` (default "default") of bench/results/swap_core.json,
+keeping the file's other variants (bench/variants.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from collections import Counter
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.variants import write_variant
 from engine.config import DSAConfig, KDAConfig, ModelConfig, MoEConfig
 from engine.lora import apply_lora, store_frozen
 from engine.memory import apply_swap_core
@@ -256,7 +259,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--base", choices=["bf16", "fp32"], default="bf16",
                    help="the frozen base weights on a GPU: bf16 as the trainer stores them, or fp32 (cast by "
                         "autocast at every use)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "swap_core.json")
+    p.add_argument("--variant", default="default",
+                   help="the name this run's results are kept under in the results file (its other variants stay)")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "swap_core.json",
+                   help="the results file: the bench's own by default, another path for a trial run")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.deterministic:
@@ -296,8 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"size": args.size, "tokens": tokens, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__, "config": json.loads(cfg.to_json()),
               "deterministic": args.deterministic, "base": weights, "baseline": BASELINE, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    write_variant(args.out, args.variant, report, "bench.swap_core", sys.argv[1:] if argv is None else argv)
     for name in args.profile:
         profile(model, name, ids, device)
     return report
