@@ -28,7 +28,8 @@ class MemorySpec:
     """Swap Core (engine/memory/swap_core.py): what the backward recomputes and where kept
     activations live. ``recompute``: none | full (each attention and MLP block recomputed) |
     selective (the outputs of ``cache_ops`` kept, the rest recomputed; default the Triton kernels'
-    forwards, the fastest on the H200 per byte kept). ``tier``: device | host
+    forwards, the most recompute saved per byte kept: bench/RESULTS.md, "Swap Core: the kernels'
+    forwards kept"). ``tier``: device | host
     (pinned, async copies) | auto (the device for the last ``device_budget_mb`` of each forward's
     kept outputs, the host before them). ``quantize``:
     none | fp8 | int8: keep 16-bit outputs in one byte an element with a scale per 32.

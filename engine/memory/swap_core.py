@@ -10,14 +10,14 @@ recomputed from the block's inputs in the backward.
 - ``recompute: selective``: the outputs of the chosen ops (``cache_ops``: matmuls, grouped GEMMs,
   the Triton kernels' forwards) are kept from the forward and handed back during the recompute,
   which then redoes only the cheap ops around them. Two ways in: aten op classes (``mm``, ...)
-  through a dispatch mode that sees every op of the block (~10 µs of Python an op, forward and
+  through a dispatch mode that sees every op of the block (Python at every op, forward and
   recompute), and ``kernels`` (KDA, DSA's attention and indexer loss, the full attention's varlen kernels) at the kernel's own call
   (``kiln_kernels.dispatch.kept``: no cost for other ops). A kernel keeps all its backward saves but
   its inputs (KDA: o, the final state, A_qk, (I + A_kk)^-1; DSA: o, lse, the target), so its
   forward never runs twice: most recompute time per byte kept. ``projections`` keeps every LoRA
   projection's output the same way (``engine.lora.lora_linear``: base product, factors, scaling
   and sum in one Function, whose backward needs only its input and A x; a merged projection's
-  base product through ``frozen_linear``), ~5-8 µs of recompute per MB at 4096 wide: for the
+  base product through ``frozen_linear``), less recompute per byte kept than a kernel's: for the
   host tier, where bytes cost copy bandwidth, not device memory. ``experts`` keeps the grouped
   experts' output, gate/up product and rank-r LoRA products (kiln_kernels.moe.grouped's one Function for
   frozen expert weights, CUDA): the recompute runs none of their grouped GEMMs. Where a kept
@@ -31,14 +31,10 @@ recomputed from the block's inputs in the backward.
   fp32 scale per block of 32 along the last dim (per row when it does not divide): ``fp8``
   (float8 e4m3) or ``int8`` (absmax). 1.125 bytes an element instead of 2. fp32 outputs (router
   scores, computed in fp32 on purpose) stay exact. e4m3 keeps 3 mantissa bits whatever the
-  scale, ~2.4% relative error on Gaussian-like rows; int8 uses the narrow range inside a
-  block, ~0.7% (measured on CPU, tests/unit/test_swap_core.py), so int8 is the precise one.
-  Against the unquantized bf16 gradients: int8 0.006 and fp8 0.021 on the CPU debug hybrid,
-  0.014 and 0.042 on a 1024-wide one, 0.015 and 0.047 at the H200 bench's size. bf16 autocast
-  itself moves them from fp32 by 0.042 and 0.195 on those CPU models, and the quantized runs are
-  as far from fp32 as bf16 is: a one-byte cache adds little to the precision already chosen.
-  The kernels' outputs are never quantized (they are few bytes for their cost, and a kernel's
-  backward takes them as they were).
+  scale; int8 uses the narrow range inside a block, so int8 is the precise one. Either adds
+  little to what bf16 autocast itself moves the gradients from fp32. The kernels' outputs are
+  never quantized (they are few bytes for their cost, and a kernel's backward takes them as they
+  were).
 - Selections (``SELECTIONS``: DSA's top-k) are kept whenever anything is, whatever ``cache_ops``
   says: the recompute must choose what the forward chose, and from quantized kept values it might
   not.
@@ -47,6 +43,10 @@ Unquantized, the gradients are bit-equal to a run without recompute: a kept valu
 forward's own value, and every other op is recomputed deterministically with the forward's RNG
 state. The recompute must run the kept ops in the forward's order; if it does not (a block whose
 control flow depends on global state), training stops with an error rather than use wrong data.
+
+Measured (step time, peak memory and gradient error of each mode; the quantized caches' error):
+see bench/RESULTS.md, the Swap Core sections (the latest: "Swap Core with the norms in Triton")
+and "Numbers that lived in module docstrings".
 
 Legend: N rows (all dims but the last), C the last dim.
 """
