@@ -1,8 +1,9 @@
 """Swap Core on the hybrid model: step time and peak memory of a LoRA training step for no
 recompute, full recompute, and Swap Core on each tier and quantization, all in one run.
 
-    python3 -m bench.swap_core                      # the H200 size (below), bf16 autocast
-    python3 -m bench.swap_core --size debug --device cpu   # seconds, to check the script
+    python3 -m bench.swap_core --variant NAME       # the H200 size (below), bf16 autocast
+    python3 -m bench.swap_core --size debug --device cpu --out /tmp/swap_core.json
+                                                    # seconds, to check the script (not into the results)
 
 Each mode trains the same model on the same batch (LoRA on every projection and on the experts;
 the loss as engine.trainer computes it, fused with the head in vocab chunks; an optimizer step at
