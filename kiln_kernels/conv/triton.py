@@ -4,11 +4,12 @@ copy), fp32 inside.
 
 Forward, per tile of tokens and channels: pre[t] = sum_j w[j] x[t - (W-1) + j] over the taps
 inside the token's document, s = silu(pre); with ``head_norm`` = n a tile is one group of n
-channels and y = s r, r = 1 / sqrt(sum s^2 + eps), else y = s. Backward: ds[u] = r (dy - y (y . dy))
-(= dy without the norm), dpre[u] = ds[u] silu'(pre[u]) with pre recomputed from x (W x W loads of
-one tile, from cache), dx[t] = sum_j w[j] dpre[t + (W-1) - j] over the outputs u of t's own
-document, and, when the filter trains, each program's partial dw[j] = sum_t dpre[t] x[t - (W-1) + j],
-summed afterwards (no atomics). Documents (``cu_seqlens``, on the host or the device) become each
+channels and y = s r, r = 1 / sqrt(sum s^2 + eps), else y = s. Backward in two passes: ``_dpre``,
+ds[u] = r (dy - y (y . dy)) (= dy without the norm), dpre[u] = ds[u] silu'(pre[u]) with pre
+recomputed from x, into a buffer of x's size; ``_dx``, dx[t] = sum_j w[j] dpre[t + (W-1) - j]
+over the outputs u of t's own document and, when the filter trains, each program's partial
+dw[j] = sum_t dpre[t] x[t - (W-1) + j], summed afterwards (no atomics). (One pass recomputing
+pre at each of the W outputs a token feeds read x W x W times: ~10x the memory floor.) Documents (``cu_seqlens``, on the host or the device) become each
 token's document start on the device: no host sync.
 
 Legend: B rows, T tokens, C channels, W the filter's width.
@@ -68,14 +69,38 @@ def _fwd(x_ptr, w_ptr, start_ptr, y_ptr, T, C, eps, W: tl.constexpr, DOCS: tl.co
 
 
 @triton.jit
-def _bwd(x_ptr, w_ptr, start_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, eps, W: tl.constexpr, DOCS: tl.constexpr,
-         NORM: tl.constexpr, NEED_DW: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _dpre(x_ptr, w_ptr, start_ptr, dy_ptr, dpre_ptr, T, C, eps, W: tl.constexpr, DOCS: tl.constexpr,
+          NORM: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """dpre for a tile of outputs u: pre recomputed from x (W loads), through silu and the norm."""
+    b = tl.program_id(2).to(tl.int64)
+    u = tl.program_id(0) * BT + tl.arange(0, BT)
+    c, c_ok = _channels(CH, BC, C)
+    u_ok = u < T
+    pre = _pre(x_ptr + b * T * C, w_ptr, start_ptr, u, u_ok, c, c_ok, C, W, DOCS, BT, BC)
+    sg = tl.sigmoid(pre)
+    at = b * T * C + u[:, None] * C + c[None, :]
+    ds = tl.load(dy_ptr + at, mask=u_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    if NORM:
+        act = pre * sg
+        r = tl.rsqrt(tl.sum(act * act, 1) + eps)
+        y = act * r[:, None]
+        ds = (ds - y * tl.sum(y * ds, 1)[:, None]) * r[:, None]
+    tl.store(dpre_ptr + at, (ds * sg * (1 + pre * (1 - sg))).to(dpre_ptr.dtype.element_ty),
+             mask=u_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _dx(x_ptr, w_ptr, start_ptr, dpre_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr, DOCS: tl.constexpr,
+        NEED_DW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """dx for a tile of inputs t from the outputs of its document that read it; with NEED_DW, the
+    tile's partial dw from its own outputs."""
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
-    c, c_ok = _channels(CH, BC, C)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = c < C
     t_ok = t < T
     x_ptr += b * T * C
-    dy_ptr += b * T * C
+    dpre_ptr += b * T * C
     if DOCS:
         s = tl.load(start_ptr + t, mask=t_ok, other=0)
     else:
@@ -86,27 +111,17 @@ def _bwd(x_ptr, w_ptr, start_ptr, dy_ptr, dx_ptr, dw_ptr, T, C, eps, W: tl.const
         u_ok = t_ok & (u < T)
         if DOCS:
             u_ok = u_ok & (tl.load(start_ptr + u, mask=u_ok, other=-1) == s)
-        pre = _pre(x_ptr, w_ptr, start_ptr, u, u_ok, c, c_ok, C, W, DOCS, BT, BC)
-        sg = tl.sigmoid(pre)
-        ds = tl.load(dy_ptr + u[:, None] * C + c[None, :], mask=u_ok[:, None] & c_ok[None, :], other=0.0)
-        ds = ds.to(tl.float32)
-        if NORM:
-            act = pre * sg
-            r = tl.rsqrt(tl.sum(act * act, 1) + eps)
-            y = act * r[:, None]
-            ds = (ds - y * tl.sum(y * ds, 1)[:, None]) * r[:, None]
-        dpre = ds * sg * (1 + pre * (1 - sg))
-        wv = tl.load(w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)
-        dx += dpre * wv[None, :]
-        if NEED_DW:
-            if j == W - 1:  # u = t: this tile's own outputs, against the inputs of every tap
-                for i in tl.static_range(W):
-                    src = t - (W - 1) + i
-                    ok = t_ok & (src >= s)
-                    xv = tl.load(x_ptr + src[:, None] * C + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
-                    part = tl.sum(dpre * xv.to(tl.float32), 0)
-                    row = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-                    tl.store(dw_ptr + (row * C + c) * W + i, part, mask=c_ok)
+        dp = tl.load(dpre_ptr + u[:, None] * C + c[None, :], mask=u_ok[:, None] & c_ok[None, :], other=0.0)
+        dx += dp.to(tl.float32) * tl.load(w_ptr + c * W + j, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    if NEED_DW:  # this tile's own outputs u = t, against the inputs of every tap
+        dp = tl.load(dpre_ptr + t[:, None] * C + c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0.0)
+        dp = dp.to(tl.float32)
+        row = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+        for i in tl.static_range(W):
+            src = t - (W - 1) + i
+            ok = t_ok & (src >= s)
+            xv = tl.load(x_ptr + src[:, None] * C + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
+            tl.store(dw_ptr + (row * C + c) * W + i, tl.sum(dp * xv.to(tl.float32), 0), mask=c_ok)
     tl.store(dx_ptr + b * T * C + t[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
              mask=t_ok[:, None] & c_ok[None, :])
 
@@ -145,11 +160,13 @@ class _ShortConv(torch.autograd.Function):
         x, w, starts = ctx.saved_tensors
         B, T, C = x.shape
         W, docs, need_dw = w.shape[-1], starts is not None, ctx.needs_input_grad[1]
-        dx = torch.empty_like(x)
         grid, tile = _tiles(B, T, C, ctx.head_norm)
+        dpre = torch.empty_like(x)  # x's dtype: it rounds as dx does
+        _dpre[grid](x, w, starts if docs else x, dy.contiguous(), dpre, T, C, EPS, W=W, DOCS=docs, **tile)
+        dx = torch.empty_like(x)
+        grid = (grid[0], triton.cdiv(C, BC), B)
         parts = torch.empty(B * grid[0], C, W, device=x.device, dtype=torch.float32) if need_dw else dx
-        _bwd[grid](x, w, starts if docs else x, dy.contiguous(), dx, parts, T, C, EPS, W=W, DOCS=docs,
-                   NEED_DW=need_dw, **tile)
+        _dx[grid](x, w, starts if docs else x, dpre, dx, parts, T, C, W=W, DOCS=docs, NEED_DW=need_dw, BT=BT, BC=BC)
         dw = parts.sum(0).view(C, 1, W).to(w.dtype) if need_dw else None
         return dx, dw, None, None
 
