@@ -15,7 +15,8 @@ return the final state per sequence.
 
 Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, C chunk.
 Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log decay, <= 0); beta [B, T, H];
-initial_state [N, H, K, V]; returns o [B, T, H, V] and final state [N, H, K, V] (fp32).
+initial_state [N, H, K, V]; returns o [B, T, H, V] in v's dtype (the math in fp32, or fp64 for
+fp64 inputs) and the final state [N, H, K, V] (fp32).
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, H, K = q.shape
     V = v.shape[-1]
+    out = v.dtype
     dtype, (q, k, v, g, beta) = _prepare(q, k, v, g, beta, scale)
     outs, finals = [], []
     for n, (a, b) in enumerate(segments(T, cu_seqlens, B)):
@@ -84,7 +86,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
             outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S_BHKV))
         finals.append(S_BHKV)
     o = torch.stack(outs, 1) if outs else torch.zeros(B, 0, H, V, dtype=dtype, device=q.device)
-    return o, torch.cat(finals) if cu_seqlens is not None else finals[0]
+    return o.to(out), torch.cat(finals) if cu_seqlens is not None else finals[0]
 
 
 def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -92,6 +94,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, H, K = q.shape
     V = v.shape[-1]
+    out = v.dtype
     dtype, (q, k, v, g, beta) = _prepare(q, k, v, g, beta, scale)
     C = chunk_size
     outs, finals = [], []
@@ -132,4 +135,4 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
             outs.append(torch.stack(o_c, 2).permute(0, 2, 3, 1, 4).reshape(B, -1, H, V)[:, :L])  # B NC C H V -> B L H V
         finals.append(S)
     o = torch.cat(outs, 1) if outs else q.new_zeros(B, 0, H, V)
-    return o, torch.cat(finals) if cu_seqlens is not None else finals[0]
+    return o.to(out), torch.cat(finals) if cu_seqlens is not None else finals[0]

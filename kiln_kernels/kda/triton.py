@@ -20,11 +20,13 @@ g <= 0 (a product on the tensor cores, no overflow whatever the decay). Inside X
 has a factor e^(Gamma_r - Gamma_j) >= 1: a product where X's decay spans less than e^SPAN
 (``_spanned``), else a loop over X's 16 tokens. A_kk is the same with beta_i k_i for q_i and j < i.
 
-Legend as in reference.py; R = B * T rows. What only feeds products (A_qk, the inverse, W, V',
-dV') is stored in the inputs' dtype, the rest in fp32; the products take their operands in the
-inputs' dtype (bf16 tensor cores for bf16 inputs, IEEE fp32 for fp32) and sum in fp32, except
-the inverse's (IEEE fp32), the diagonal blocks' (fp32 operands: tf32 forward, IEEE backward) and
-``_dintra``'s (tf32 for bf16 inputs): there bf16 rounding does not cancel where dGamma's terms do.
+Legend as in reference.py; R = B * T rows. What only feeds products or sums at the inputs'
+precision (A_qk, the inverse, W, U, V', dV', the chunk states, the output) is stored in the
+inputs' dtype, the rest in fp32 (Gamma, the final state, dS, the gradients until their last
+write); the products take their operands in the inputs' dtype (bf16 tensor cores for bf16
+inputs, IEEE fp32 for fp32) and sum in fp32, except the inverse's (IEEE fp32), the diagonal
+blocks' (fp32 operands: tf32 forward, IEEE backward) and ``_dintra``'s (tf32 for bf16 inputs):
+there bf16 rounding does not cancel where dGamma's terms do.
 """
 from __future__ import annotations
 
@@ -293,12 +295,24 @@ def _state_ptrs(P, n, h, H, K, VD, d0, v0, BK: tl.constexpr, BV: tl.constexpr):
 @triton.jit
 def _walk(P0, HAS: tl.constexpr, SEQ, H, K, VD, BK: tl.constexpr, BV: tl.constexpr):
     """A chunk-by-chunk program's sequence n, head h and first column v0 of V, the state it starts
-    from (P0's, zeros without HAS), and its chunks [c0, c1)."""
+    from (P0's, zeros without HAS), its chunks [c0, c1) and rows [s0, s1) (SEQ: [N + 1, 2], each
+    sequence's first chunk and first row)."""
     vb, nh = tl.program_id(0), tl.program_id(1)
     n, h = nh // H, nh % H
     v0 = vb * BV
     p0, m0 = _state_ptrs(P0, n, h, H, K, VD, 0, v0, BK, BV)
-    return n, h, v0, tl.load(p0, mask=m0 & HAS, other=0.0).to(tl.float32), tl.load(SEQ + n), tl.load(SEQ + n + 1)
+    return (n, h, v0, tl.load(p0, mask=m0 & HAS, other=0.0).to(tl.float32), tl.load(SEQ + 2 * n),
+            tl.load(SEQ + 2 * n + 2), tl.load(SEQ + 2 * n + 1), tl.load(SEQ + 2 * n + 3))
+
+
+@triton.jit
+def _chunk_of(c, c0, s0, s1):
+    """Chunk c of a sequence whose first chunk is c0 and rows [s0, s1), as ``_rows`` gives it, but
+    computed, not read: the chunk-by-chunk loops' addresses do not wait on a load."""
+    bos = s0 + (c - c0) * 64
+    end = tl.minimum(bos + 64, s1)
+    rows = bos + tl.arange(0, 64)
+    return bos, rows, rows < end, end - 1
 
 
 @triton.jit
@@ -306,11 +320,11 @@ def _states(KD, W, U, G, H0, HS, VN, HT, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr
             HAS_H0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """Per sequence, head and block of V, the chunks in order: HS[c] = the state at chunk c's
     start, VN = U - W S; the final state into HT."""
-    n, h, v0, S, c0, c1 = _walk(H0, HAS_H0, SEQ, H, K, VD, BK, BV)
+    n, h, v0, S, c0, c1, s0, s1 = _walk(H0, HAS_H0, SEQ, H, K, VD, BK, BV)
     for c in range(c0, c1):
         p, m = _state_ptrs(HS, c, h, H, K, VD, 0, v0, BK, BV)
-        tl.store(p, S, mask=m)
-        bos, rows, ok, last = _rows(CHUNKS, c)
+        tl.store(p, S.to(HS.dtype.element_ty), mask=m)
+        bos, rows, ok, last = _chunk_of(c, c0, s0, s1)
         vn = _tile_v(U, rows, ok, h, H, VD, v0, BV) - _dot(_tile(W, rows, ok, h, H, K, BK), S, DT, PREC)
         _put_v(VN, vn, rows, ok, h, H, VD, v0, BV)
         S = S * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(tl.trans(_tile(KD, rows, ok, h, H, K, BK)), vn,
@@ -337,12 +351,12 @@ def _dstates(QG, KD, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, H, K, VD, BK
              BV: tl.constexpr, HAS_DHT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """The chunks in reverse: DH[c] = dS at chunk c's end; dV' = A_qk^T dO + (k e^(Gamma_C - Gamma)) dS;
     dS at the chunk's start = (q e^Gamma)^T dO + e^Gamma_C dS - W^T dV'. The first into DH0."""
-    n, h, v0, dS, c0, c1 = _walk(DHT, HAS_DHT, SEQ, H, K, VD, BK, BV)
+    n, h, v0, dS, c0, c1, s0, s1 = _walk(DHT, HAS_DHT, SEQ, H, K, VD, BK, BV)
     for cc in range(c0, c1):
         c = c1 - 1 - (cc - c0)
         p, m = _state_ptrs(DH, c, h, H, K, VD, 0, v0, BK, BV)
         tl.store(p, dS, mask=m)
-        bos, rows, ok, last = _rows(CHUNKS, c)
+        bos, rows, ok, last = _chunk_of(c, c0, s0, s1)
         do = _tile_v(DO, rows, ok, h, H, VD, v0, BV)
         dvn = _dot(tl.trans(_lower(AQK, rows, ok, h, H)), do, DT, PREC)
         dvn += _dot(_tile(KD, rows, ok, h, H, K, BK), dS, DT, PREC)
@@ -501,20 +515,21 @@ def _dintra(Q, Kt, BETA, G, DAQK, DAKK, DQ, DK, DBP, DG, DQO, DKO, CHUNKS, scale
 
 
 def _chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each chunk's [first row, end) and each sequence's first chunk (and the total last)."""
-    spans, seq = [], [0]
+    """Each chunk's [first row, end), and [N + 1, 2]: each sequence's first chunk and first row
+    (then the totals)."""
+    spans, seq = [], [(0, 0)]
     for a, b in zip(cu, cu[1:]):
         spans += [(s, min(s + C, b)) for s in range(a, b, C)]
-        seq.append(len(spans))
+        seq.append((len(spans), b))
     return to_device(torch.tensor(spans or [(0, 0)], dtype=torch.int32).flatten(), device), \
-        to_device(torch.tensor(seq, dtype=torch.int32), device)
+        to_device(torch.tensor(seq, dtype=torch.int32).flatten(), device)
 
 
 class _Shapes:
     def __init__(self, q, v, chunks, seq):
         self.R, self.H, self.K = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
         self.V = v.shape[-1]
-        self.NC, self.N = chunks.numel() // 2, seq.numel() - 1
+        self.NC, self.N = chunks.numel() // 2, seq.numel() // 2 - 1
         self.BK, self.BV = triton.next_power_of_2(self.K), triton.next_power_of_2(self.V)
         # V block of the sequential kernels and _output (more programs in flight; 16 and 32 measured
         # slower for bf16 on the H200); fp32 tiles take twice the shared memory
@@ -553,10 +568,10 @@ def _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s: _Shapes):
     """W, the decayed keys and queries, the state at each chunk's start, V' = U - W S and the final state."""
     R, H, K, V = s.R, s.H, s.K, s.V
     W, KD, QG = (k.new_empty(R, H, K, dtype=s.low) for _ in range(3))
-    U = k.new_empty(R, H, V, dtype=torch.float32)
+    U = k.new_empty(R, H, V, dtype=s.low)
     _wu[(s.NC, H)](q, k, v, beta, G, Mi, W, U, KD, QG, chunks, scale, H, K, V, BK=s.BK, BV=s.BV, DT=s.DT, PREC=s.PREC,
                    num_warps=8)
-    HS = k.new_empty(s.NC, H, K, V, dtype=torch.float32)
+    HS = k.new_empty(s.NC, H, K, V, dtype=s.low)
     VN = k.new_empty(R, H, V, dtype=s.low)
     HT = k.new_empty(s.N, H, K, V, dtype=torch.float32)
     _states[(triton.cdiv(V, s.BVS), s.N * H)](KD, W, U, G, h0 if h0 is not None else HT, HS, VN, HT, chunks, seq,
@@ -579,7 +594,7 @@ class _KDA(torch.autograd.Function):
         def run():
             G, Aqk, Mi = _prepare(q, k, g, beta, scale, chunks, s)
             _, _, QG, HS, VN, HT = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
-            o = torch.empty(B, T, H, s.V, device=q.device, dtype=torch.float32)
+            o = torch.empty(B, T, H, s.V, device=q.device, dtype=v.dtype)
             _output[(s.NC, H, triton.cdiv(s.V, s.BVS))](QG, Aqk, HS, VN, o, chunks, H, K, s.V, BK=s.BK, BV=s.BVS,
                                                         DT=s.DT, PREC=s.PREC)
             return o, HT, Aqk, Mi
@@ -596,9 +611,9 @@ class _KDA(torch.autograd.Function):
         R, H, K, V, NC, N = s.R, s.H, s.K, s.V, s.NC, s.N
         G = _gamma_of(g, chunks, s)
         W, KD, QG, HS, VN, _ = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
-        do = do.float().contiguous()
+        do = do.contiguous()
         f32 = torch.float32
-        DH = torch.empty_like(HS)
+        DH = torch.empty_like(HS, dtype=f32)
         DVN = q.new_empty(R, H, V, dtype=s.low)
         DH0 = q.new_empty(N, H, K, V, dtype=f32)
         _dstates[(triton.cdiv(V, s.BVS), N * H)](QG, KD, G, W, Aqk, do, dht.float().contiguous() if dht is not None
@@ -629,7 +644,7 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               scale: float | None = None, initial_state: torch.Tensor | None = None,
               cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.kda_chunk`` in Triton (chunks of 64 whatever ``chunk_size`` says: the chunk
-    size changes the order of the sums, not the result). o and the final state in fp32."""
+    size changes the order of the sums, not the result). o in v's dtype, the final state in fp32."""
     B, T, H, K = q.shape
     if cu_seqlens is None:  # each row a sequence
         cu = list(range(0, B * T + 1, T)) if T else [0] * (B + 1)

@@ -43,7 +43,7 @@ def check(x, cu, dtype, N):
     x64 = {n: t.detach().double().requires_grad_() for n, t in x.items()}
     o64, ht64 = reference.kda_chunk(**x64, cu_seqlens=cu)
     ((o64 * do.double()).sum() + (ht64 * dht.double()).sum()).backward()
-    assert o.dtype == torch.float32 and o.shape == o64.shape and ht.shape == ht64.shape == (N, *ht.shape[1:])
+    assert o.dtype == x["v"].dtype and o.shape == o64.shape and ht.shape == ht64.shape == (N, *ht.shape[1:])
     tol = TOL[dtype]
     assert rel(o, o64) < tol and rel(ht, ht64) < tol
     for n in x:
