@@ -15,7 +15,8 @@ LoRA rank 16 (alpha 32) on q/k/v/o and the MLPs' gate/up/down projections, and w
 Each row: ``tokens`` per step as one document (``single``) or documents of 4096 (``packed4k``:
 Kiln packs them into one row as its trainer does, transformers takes them as a batch of rows);
 ``--steps`` timed steps after the first (the first, with its compiles and autotuning, is
-reported apart as ``first_step_s``); tokens/s from the median step; peak memory
+reported apart as ``first_step_s``, with its Triton compiles: how many, their summed time and
+the slowest, ``first_step_compiles``); tokens/s from the median step; peak memory
 (``torch.cuda.max_memory_allocated``, weights included) over the timed steps. Then one more step
 under the torch profiler, its GPU time split by op class (``CLASSES``): the forward's ops by the
 module they run in, the backward's by the forward op that made them (autograd's sequence
@@ -188,6 +189,38 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
 
 
+class Compiles:
+    """Triton's compiles while it is on (its compilation listener): how many, their summed time
+    (the host's: a first step waits on each in turn) and the slowest, for the first step's split."""
+
+    def __init__(self):
+        self.times: dict[str, float] = defaultdict(float)
+        self.count = 0
+
+    def __enter__(self):
+        try:
+            from triton import knobs
+        except ImportError:  # the CPU check runs without triton
+            return self
+        self._knobs = knobs
+
+        def listen(src, metadata, metadata_group, times, cache_hit):
+            if not cache_hit:
+                self.count += 1
+                self.times[getattr(getattr(src, "fn", None), "__name__", "?")] += times.total / 1e6
+        knobs.compilation.listener = listen
+        return self
+
+    def __exit__(self, *exc):
+        if hasattr(self, "_knobs"):
+            self._knobs.compilation.listener = None
+
+    def report(self) -> dict:
+        top = sorted(self.times.items(), key=lambda kv: -kv[1])[:8]
+        return {"compiles": self.count, "compile_s": sum(self.times.values()),
+                "slowest_compiles_s": {k: round(v, 2) for k, v in top}}
+
+
 def build_checkpoint(folder: Path) -> None:
     import transformers
 
@@ -333,8 +366,9 @@ def run_side(side_cls, folder: Path, tokens: list[int], layouts: list[str], expe
                 try:
                     sync()
                     t0 = time.perf_counter()
-                    side.step(docs)
-                    sync()
+                    with Compiles() as compiles:
+                        side.step(docs)
+                        sync()
                     first = time.perf_counter() - t0
                     reset_peak()
                     times = []
@@ -346,7 +380,8 @@ def run_side(side_cls, folder: Path, tokens: list[int], layouts: list[str], expe
                     peak = peak_gib()
                     med = statistics.median(times)
                     res = {"tokens_per_s": T / med, "peak_gib": peak, "step_s": med, "memory": side.memory,
-                           "first_step_s": first, "compiles_in_first": not first_done}
+                           "first_step_s": first, "compiles_in_first": not first_done,
+                           "first_step_compiles": compiles.report()}
                     first_done = True
                     if profile:
                         handles = side.tag()

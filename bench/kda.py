@@ -8,7 +8,9 @@ q, k (L2-normalised), v and beta in bf16; g in fp32 from the bounded gate (K3's,
 one packed row with cu_seqlens. FLOPs counted as in shared/MODEL_NOTES.md, per head
 6 T d^2 + 3 T C d + T C^2 (C = 64) for the forward and three times that for forward + backward.
 Tokens/s counts the packed row's tokens (all heads together).
-Median of 5 timed calls after 2. Baseline: fla-core. Writes bench/results/kda.json.
+Median of 5 timed calls after 2; peak memory over forward + backward, and of a training forward
+alone with what it holds for the backward (``fwd_peak_gib``, ``fwd_held_gib``; the inputs
+excluded). Baseline: fla-core. Writes bench/results/kda.json.
 """
 from __future__ import annotations
 
@@ -64,7 +66,12 @@ def measure(fn, x, cu) -> dict:
         base = torch.cuda.memory_allocated()
         fb = median_ms(fwd_bwd, reps=5, warmup=2)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        return {"fwd_ms": f, "fwd_bwd_ms": fb, "peak_gib": peak}
+        torch.cuda.reset_peak_memory_stats()
+        out = fn(x, cu)  # a training forward: its peak, and what it holds for the backward with its outputs
+        held = (torch.cuda.memory_allocated() - base) / 2**30
+        fwd_peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        del out
+        return {"fwd_ms": f, "fwd_bwd_ms": fb, "peak_gib": peak, "fwd_peak_gib": fwd_peak, "fwd_held_gib": held}
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return {}
@@ -98,8 +105,8 @@ def main() -> None:
     d, C = a.dim, 64
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; d={d}, documents of {a.doc}, bf16")
     print("| tokens | heads | method | fwd ms | fwd Mtok/s | fwd TFLOP/s | fwd+bwd ms | fwd+bwd Mtok/s | "
-          "fwd+bwd TFLOP/s | peak GiB (fwd+bwd) | fwd vs fla | fwd+bwd vs fla |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "fwd+bwd TFLOP/s | peak GiB (fwd+bwd) | fwd peak GiB | fwd held GiB | fwd vs fla | fwd+bwd vs fla |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     if a.profile:
         profile(a.tokens[0], a.heads[0], d, a.doc)
     rows = []
@@ -117,7 +124,7 @@ def main() -> None:
             base = res.get("fla-core chunk_kda") or {}
             for name, m in res.items():
                 if not m:
-                    print(f"| {T} | {H} | {name} | out of memory | | | | | | | | |")
+                    print(f"| {T} | {H} | {name} | out of memory | | | | | | | | | | |")
                     continue
                 row = {"tokens": T, "heads": H, "method": name, **m, "fwd_mtok_s": T / m["fwd_ms"] / 1e3,
                        "fwd_bwd_mtok_s": T / m["fwd_bwd_ms"] / 1e3, "fwd_tflops": flops / m["fwd_ms"] / 1e9,
@@ -128,7 +135,7 @@ def main() -> None:
                 ratio = (lambda v: f"{v:.2f}x" if v else "-")
                 print(f"| {T} | {H} | {name} | {m['fwd_ms']:.2f} | {row['fwd_mtok_s']:.2f} | {row['fwd_tflops']:.1f} | "
                       f"{m['fwd_bwd_ms']:.2f} | {row['fwd_bwd_mtok_s']:.2f} | {row['fwd_bwd_tflops']:.1f} | "
-                      f"{m['peak_gib']:.1f} | {ratio(row['fwd_vs_fla'])} | "
+                      f"{m['peak_gib']:.1f} | {m['fwd_peak_gib']:.2f} | {m['fwd_held_gib']:.2f} | {ratio(row['fwd_vs_fla'])} | "
                       f"{ratio(row['fwd_bwd_vs_fla'])} |", flush=True)
             del x
             torch.cuda.empty_cache()
