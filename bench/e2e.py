@@ -291,10 +291,11 @@ class Kiln:
 
     def step(self, docs: list[torch.Tensor]) -> None:
         from engine.data import Sample
-        from engine.trainer import _accumulate
+        from engine.training.ranks import Single
+        from engine.training.step import accumulate
 
         samples = [Sample(i, d, d.clone(), torch.zeros(0, 3, 1, 1)) for i, d in enumerate(docs)]
-        _accumulate(self.model, samples, 1, 0, sum(len(d) for d in docs), DEV)
+        accumulate(self.model, samples, 1, 0, sum(len(d) for d in docs), Single(DEV))
         with torch.profiler.record_function(TAG + "optimizer"):
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             self.opt.step()

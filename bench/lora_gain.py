@@ -22,7 +22,8 @@ import engine
 from engine.data import Dataset
 from engine.generate import answer
 from kiln.dataset import LengthBound
-from engine.trainer import evaluate
+from engine.training.ranks import Single
+from engine.training.step import evaluate
 from engine.lora import apply_lora, load_adapter
 from engine.models import load_base
 from engine.reporting import RecordingReporter
@@ -60,7 +61,7 @@ def validation_loss(model, folder: Path, data: Path, work: Path) -> float:
     ds = Dataset(data, SAMPLE / "images.zip", tok, tpl, model.image_size, model.image_tokens,
                  LengthBound("kiln-tiny", 2048), work)
     try:
-        return evaluate(model, ds, list(range(len(ds))), 8, tpl.pad_id, 2048, torch.device("cpu"))["valid_loss"]
+        return evaluate(model, ds, list(range(len(ds))), 8, tpl.pad_id, 2048, Single(torch.device("cpu")))["valid_loss"]
     finally:
         ds.close()
 

@@ -10,7 +10,7 @@ from engine.spec import JobSpec, LoraSpec, ParallelSpec, Reporter, Store, TrainR
 def train(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
     """Train in this process, or, with ``spec.parallel.nproc`` > 1, in that many under torchrun."""
     if spec.parallel.nproc > 1:
-        from engine.parallel.launch import run
+        from engine.launch import run
 
         return run(spec, store, reporter)
     from engine.trainer import train as _train

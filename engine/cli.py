@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--store", type=Path, default=Path("kiln-data/store"))
     t.add_argument("--job-id")
     t.add_argument("--resume", action="store_true", help="continue from this job's last checkpoint")
-    j = sub.add_parser("spec", help="print the job spec as JSON (for torchrun -m engine.parallel.launch)")
+    j = sub.add_parser("spec", help="print the job spec as JSON (for torchrun -m engine.launch)")
     j.add_argument("config", type=Path)
     j.add_argument("--job-id")
     args = p.parse_args(argv)

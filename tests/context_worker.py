@@ -1,5 +1,5 @@
 """Run by torchrun from tests/unit/test_context_parallel.py (gloo on the CPU): one training step's
-forward and backward of a small Kimi Linear (or hybrid: ``--model hybrid``) model through the trainer's own ``_accumulate``,
+forward and backward of a small Kimi Linear (or hybrid: ``--model hybrid``) model through the trainer's own ``accumulate``,
 with each sequence split over ``--cp`` ranks (context parallel), FSDP2 and expert parallel as
 a real run applies them; or (``--world 1``, no torchrun) the same step in one process.
 
@@ -24,7 +24,8 @@ from engine.model.hybrid import HybridForCausalLM
 from engine.model.kimi_linear import KimiLinearForCausalLM
 from engine.models import init_kimi_linear, kimi_linear_tiny_config
 from engine.spec import LoraSpec, MemorySpec
-from engine.trainer import _accumulate
+from engine.training.ranks import ranks_for
+from engine.training.step import accumulate
 
 # documents crossing every slice boundary at 2 and 4 ranks, one-token ones, an empty row end
 LENGTHS = [[190, 1, 57], [120, 3, 90, 35]]
@@ -63,7 +64,7 @@ def build(kind: str = "kimi") -> tuple[torch.nn.Module, list[Sample]]:
 
 
 def step(model, samples, mesh, device) -> dict:
-    loss, n, right, seen, rows = _accumulate(model, samples, 2, 0, 300, device, mesh)  # 2 micro-batches
+    loss, n, right, seen, rows = accumulate(model, samples, 2, 0, 300, ranks_for(mesh, device))  # 2 micro-batches
     grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
     if mesh is not None:
         from torch.distributed.tensor import DTensor

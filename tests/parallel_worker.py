@@ -19,7 +19,7 @@ from engine.config import ModelConfig
 from engine.lora import apply_lora
 from engine.model.hybrid import HybridForCausalLM
 from engine.spec import LoraSpec
-from engine.trainer import batch_loss
+from engine.training.step import batch_loss
 
 ROWS, T = 4, 24
 

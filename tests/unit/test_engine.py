@@ -127,7 +127,7 @@ def test_gradient_accumulation_makes_the_same_update(tmp_path):
 
 def test_a_step_with_a_non_finite_gradient_is_skipped_not_applied(tmp_path, monkeypatch):
     """bf16 on the H200 once gave a finite loss and a NaN gradient; the update must not land."""
-    import engine.trainer as tr
+    import engine.training.step as tr
 
     real = tr.batch_loss
     calls = {"n": 0}

@@ -169,7 +169,7 @@ def test_a_bad_dataset_on_two_processes_names_line_and_field(tmp_path):
 def launch(n: int, spec: Path, store: Path, events: Path) -> list[dict]:
     """README's multi-node command on this node (c10d rendezvous); rank 0's reports."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "-m", "engine.parallel.launch", str(spec), str(store), "--events", str(events)]
+           "--rdzv-endpoint=127.0.0.1:0", "-m", "engine.launch", str(spec), str(store), "--events", str(events)]
     done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in events.read_text().splitlines()]
@@ -221,7 +221,7 @@ def test_a_killed_launcher_leaves_no_run_behind(tmp_path):
             f"LocalStore({str(tmp_path / 'store')!r}), R())")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("step")  # training under torchrun
-    ranks = subprocess.run(["pgrep", "-f", "engine.parallel.launch"], capture_output=True, text=True).stdout.split()
+    ranks = subprocess.run(["pgrep", "-f", "engine.launch"], capture_output=True, text=True).stdout.split()
     assert ranks
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -108,8 +108,8 @@ def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
         events, stop, log = tmp / "events.jsonl", tmp / "stop", tmp / "torchrun.log"
         events.touch()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.parallel.nproc}",
-               "-m", "engine.parallel.launch", str(tmp / "spec.json"), str(root), "--events", str(events), "--stop", str(stop)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+               "-m", "engine.launch", str(tmp / "spec.json"), str(root), "--events", str(events), "--stop", str(stop)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                              os.environ.get("PYTHONPATH", "")]),
                "KILN_LAUNCHER_PID": str(os.getpid())}
         end = None
@@ -159,7 +159,7 @@ def main(argv: list[str]) -> NoReturn:
     from engine.trainer import train
     from kiln.store import LocalStore
 
-    p = argparse.ArgumentParser(prog="torchrun ... -m engine.parallel.launch")
+    p = argparse.ArgumentParser(prog="torchrun ... -m engine.launch")
     p.add_argument("spec", type=Path, help="the job spec as JSON (python -m engine.cli spec job.yaml > spec.json)")
     p.add_argument("store", type=Path, help="the store folder, the same path on every node")
     p.add_argument("--events", type=Path, default=Path("/dev/stdout"))

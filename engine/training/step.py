@@ -1,0 +1,60 @@
+"""A step's arithmetic: the loss of a batch, the forward and backward of a step's examples over
+its micro-batches (weighted so that the summed gradients equal the whole batch's), evaluation."""
+from __future__ import annotations
+
+import torch
+
+from engine.data import IGNORE, Dataset
+
+
+def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=None) -> tuple[torch.Tensor, int, int]:
+    """Mean cross-entropy over target tokens, the target count, and how many were argmax-right.
+    ``cp``: the batch is a context-parallel rank's slice (engine.parallel.context.split)."""
+    ids = batch["input_ids_BT"].to(device)
+    labels = batch["labels_BT"].to(device)
+    docs, pos = (batch[k].to(device) if batch[k] is not None else None for k in ("doc_ids_BT", "positions_BT"))
+    extra = {"cp": cp} if cp is not None else {}
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        loss, right = model(ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels, **extra)  # no full logits
+    return loss, int((labels[:, 1:] != IGNORE).sum()), int(right)
+
+
+def accumulate(model: torch.nn.Module, samples: list, micro: int, pad: int, pack_to: int | None, ranks
+               ) -> tuple[torch.Tensor, int, int, int, int]:
+    """Forward and backward this rank's share of the step's examples in ``micro`` parts, each
+    weighted by its share of the target tokens of the whole step (on all ranks): the gradients,
+    summed over the ranks, equal the whole batch's (context parallel too: each rank's slice holds
+    its own targets). ``ranks``: engine.training.ranks. Returns (loss, targets, right, tokens,
+    rows) for the step, over all ranks."""
+    total = sum(s.targets for s in samples) or 1
+    loss_sum, n_sum, right_sum, seen, rows = 0.0, 0, 0, 0, 0
+    for part in ranks.share(samples, parts=micro):
+        batch, cp, packed = ranks.batch(part or samples[:1], pad, pack_to)  # a stand-in, weighted 0, keeps the ranks in step
+        loss, n, right = batch_loss(model, batch, ranks.device, cp)
+        extra = model.indexer_loss() if hasattr(model, "indexer_loss") and model.training else None
+        weight = n / total if part else 0.0
+        ((loss + extra if extra is not None else loss) * weight).backward()  # DSA indexers learn by KL
+        if part:
+            loss_sum += float(loss.detach()) * n
+            n_sum, right_sum = n_sum + n, right_sum + right
+            seen += int((batch["input_ids_BT"] != pad).sum())  # under context parallel: this slice's
+            rows += packed
+    loss_sum, n_sum, right_sum, seen, rows = ranks.sum(loss_sum, n_sum, right_sum, seen, rows)
+    return torch.tensor(loss_sum / max(n_sum, 1)), int(n_sum), int(right_sum), int(seen), int(rows)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, data: Dataset, indices: list[int], bs: int, pad: int, pack_to: int | None,
+             ranks) -> dict:
+    """The mean loss and token accuracy over ``indices`` of ``data``, over all ranks."""
+    was = model.training
+    model.eval()
+    total, n, right = 0.0, 0, 0
+    for part in ranks.share(indices, size=bs):
+        batch, cp, _ = ranks.batch([data[j] for j in part or indices[:1]], pad, pack_to)  # a stand-in keeps the ranks in step
+        loss, k, r = batch_loss(model, batch, ranks.device, cp)
+        if part:
+            total, n, right = total + float(loss) * k, n + k, right + r
+    total, n, right = ranks.sum(total, n, right)
+    model.train(was)
+    return {"valid_loss": total / max(n, 1), "valid_mean_token_accuracy": right / max(n, 1)}
