@@ -132,6 +132,17 @@ class LoRALinear(nn.Module):
 
     merged = False
 
+    def effective_weight(self) -> torch.Tensor | None:
+        """The layer as one matrix, W + (B A) * scaling in W's dtype, with autograd to the factors: for
+        a module that reads its sublayer's weight instead of calling it (DSA's absorbed
+        ``kv_b_proj``). None where dropout makes the layer more than one matrix (training, not merged)."""
+        if self.training and isinstance(self.dropout, nn.Dropout) and not self.merged:
+            return None
+        W = self.base.weight
+        if not self.merged:
+            W = W + (self.lora_B.weight @ self.lora_A.weight * self.scaling).to(W.dtype)
+        return W
+
     @torch.no_grad()
     def merge(self, sign: float = 1.0) -> None:
         """Fold B A into the base weight in place (sign -1 takes it out again)."""

@@ -55,7 +55,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import defaultdict, deque
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -65,6 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from engine.model.common import recompute
 from engine.spec import MemorySpec
 from kiln_kernels.dispatch import keeping
 
@@ -91,15 +92,6 @@ SELECTIONS = frozenset({"indexer_topk"})
 BLOCKS = {"attention": "self_attn", "mlp": "mlp"}  # memory.blocks -> the decoder layer's sublayer
 QUANT = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # code dtype, largest code
 BLOCK = 32  # elements per quantization scale
-
-_recomputing = 0
-
-
-def recomputing() -> bool:
-    """True while a block is being recomputed in the backward: a module that counts or records
-    something in its forward (the router's expert load) must do it once, not twice."""
-    return _recomputing > 0
-
 
 def check_spec(spec: MemorySpec) -> None:
     """A ValueError naming the first bad setting."""
@@ -195,7 +187,7 @@ class SwapCore:
 
     def _contexts(self):
         if not self.calls:  # full recompute: nothing to keep, only the recompute flag
-            return nullcontext(), _flag_recompute()
+            return nullcontext(), recompute.flagged()
         if self.backward:  # a new forward: the one before kept this many bytes
             self.per_forward, self.sent, self.backward = self.sent, 0, False
         self.send_out()
@@ -405,10 +397,9 @@ class _Reuse(_Phase):
     """The block's recompute: the chosen ops return what the forward kept, the rest run again."""
 
     def __enter__(self):
-        global _recomputing
         if self.frame.kept is None:
             raise RuntimeError("Swap Core: a block was recomputed twice (a second backward through one graph)")
-        _recomputing += 1
+        recompute.begin()
         self.core.begin_backward()
         self.core.fetch(self.frame)
         nxt = self.core.next_to_recompute(self.frame)
@@ -419,8 +410,7 @@ class _Reuse(_Phase):
         return super().__enter__()
 
     def __exit__(self, *exc):
-        global _recomputing
-        _recomputing -= 1
+        recompute.end()
         left = sum(len(q) for q in self.frame.kept.values())
         self.core.forget(self.frame)
         self.frame.kept = None  # type: ignore[assignment]
@@ -435,16 +425,6 @@ class _Reuse(_Phase):
             raise RuntimeError(f"Swap Core: the recompute ran {key} more often than the forward did; the "
                                "block's control flow changed between forward and backward")
         return tree_map_only(_Kept, self.core.give_back, q.popleft())
-
-
-@contextmanager
-def _flag_recompute():
-    global _recomputing
-    _recomputing += 1
-    try:
-        yield
-    finally:
-        _recomputing -= 1
 
 
 def apply_swap_core(model: nn.Module, spec: MemorySpec) -> SwapCore | None:

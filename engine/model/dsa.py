@@ -21,8 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.lora import LoRALinear
-
 from engine.model.layers import RMSNorm, autocast_input, doc_starts
 from kiln_kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
 
@@ -148,15 +146,12 @@ class GatedDSAttention(nn.Module):
 
     def _absorbed(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``kv_b_proj``'s weight (LoRA included) as W_UK [H, nope, rank] and W_UV [H, v, rank];
-        (None, None) where LoRA dropout makes the layer more than one matrix."""
+        (None, None) where LoRA dropout makes the layer more than one matrix. A layer that wraps
+        the linear one (``engine.lora.LoRALinear``) says what matrix it is by ``effective_weight``."""
         layer = self.kv_b_proj
-        if isinstance(layer, LoRALinear):
-            if layer.training and isinstance(layer.dropout, nn.Dropout) and not layer.merged:
-                return None, None
-            W = layer.base.weight
-            if not layer.merged:
-                W = W + (layer.lora_B.weight @ layer.lora_A.weight * layer.scaling).to(W.dtype)
-        else:
-            W = layer.weight
+        effective = getattr(layer, "effective_weight", None)
+        W = effective() if effective is not None else layer.weight
+        if W is None:
+            return None, None
         W = W.view(self.H, self.nope + self.v, self.rank)
         return W[:, :self.nope], W[:, self.nope:]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.memory.swap_core import recomputing
+from engine.model.common.recompute import recomputing
 from engine.model.layers import RMSNorm, autocast_input, f32
 from kiln_kernels.dispatch import fast
 from kiln_kernels.moe import grouped_mlp
