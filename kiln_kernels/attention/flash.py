@@ -11,8 +11,8 @@ No [T, S] mask anywhere: each kernel walks only the key blocks of the query's ow
 - ``sdpa``: where every document has as many queries as keys and all have one length (one
   document; rows of equal documents), the documents as a batch through
   ``F.scaled_dot_product_attention(is_causal=True)``, which takes cuDNN's Hopper kernels for 16-bit
-  inputs and any head dims: 2.6x flash's backward at MLA's shape, 8k tokens, on the H200 (the
-  transformers run of bench/e2e.py used them; bench/RESULTS.md). Other layouts go to ``flash``.
+  inputs and any head dims (faster than ``flash`` at MLA's shape: bench/RESULTS.md, "Full
+  attention over packed documents"). Other layouts go to ``flash``.
 
 ``BF16_BACKEND`` is the one 16-bit inputs take (bench/attention.py and bench/e2e.py on the H200,
 bench/RESULTS.md); fp32 takes ``efficient``. The varlen kernels' forwards are kept by Swap Core as

@@ -1,8 +1,8 @@
 """KDA's decay gate on CUDA (``reference.kda_gate`` is the definition): one elementwise pass
 forward and one backward. The reference's form, a chain of fp32 torch ops over the whole
 [B, T, H, K] gate (add the bias, exp, softplus or sigmoid, multiply), wrote and read the gate's
-fp32 size several times a layer: ~60 ms of elementwise kernels in a 32k-token step of the
-Kimi-Linear-48B-shaped bench (bench/e2e.py, bench/RESULTS.md). Here the forward reads g_raw
+fp32 size several times a layer (measured: bench/RESULTS.md, the fourteenth session's whole-step
+section). Here the forward reads g_raw
 (the projection's dtype) and writes g (fp32); the backward reads g_raw and dg and writes dg_raw,
 and, where A_log or dt_bias train (full training), the per-element terms of their gradients,
 summed by torch.
