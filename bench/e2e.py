@@ -281,9 +281,9 @@ class Kiln:
     def tag(self) -> list:
         from engine.lora import ExpertsLoRA, LoRALinear
         from engine.model.kimi_linear import KimiDeltaAttention, MLAttention
-        from engine.model.moe import MoE
+        from engine.model.common.moe import MoE
 
-        import engine.model.layers as layers
+        import engine.model.common.layers as layers
 
         return tag_modules(self.model, {LoRALinear: "projections + LoRA", nn.Linear: "projections + LoRA",
                                         ExpertsLoRA: "MoE", KimiDeltaAttention: "KDA", MLAttention: "attention",

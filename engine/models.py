@@ -23,7 +23,8 @@ from torch import nn
 from engine.checkpoint.hf import load_deepseek_v32, load_kimi_linear, save_kimi_linear
 from engine.config import ModelConfig
 from engine.model.hybrid import HybridForCausalLM
-from engine.model.kimi_linear import ForgetGate, KimiLinearConfig, KimiLinearForCausalLM
+from engine.model.common.kda import ForgetGate
+from engine.model.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM
 from engine.tiny_model import TinyConfig, TinyForCausalLM, init_weights, load_pretrained, save_pretrained
 from kiln.tokenizer import ByteTokenizer
 

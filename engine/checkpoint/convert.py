@@ -231,7 +231,7 @@ def to_dcp(src: Path, dst: Path, fsdp_shards: int, ep_size: int = 1, workers: in
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from engine.model.moe import Experts
+    from engine.model.common.moe import Experts
     from engine.models import build_meta
 
     if fsdp_shards < 1 or ep_size < 1 or fsdp_shards % ep_size:

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model.attnres import AttnResQueries, Residuals
-from engine.model.dsa import GatedDSAttention
-from engine.model.kimi_linear import KimiDeltaAttention
-from engine.model.layers import CausalLM, RMSNorm, cu_seqlens, rows_end_to_end
-from engine.model.moe import MLP, MoE
-from engine.tiny_model import VisionTower
+from engine.model.common.attnres import AttnResQueries, Residuals
+from engine.model.common.dsa import GatedDSAttention
+from engine.model.common.kda import KimiDeltaAttention
+from engine.model.common.layers import CausalLM, RMSNorm, cu_seqlens, rows_end_to_end
+from engine.model.common.moe import MLP, MoE
+from engine.model.common.vision import VisionTower
 
 
 class HybridLayer(nn.Module):

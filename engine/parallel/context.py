@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.memory import recomputing
-from engine.model.layers import cu_seqlens, rows_end_to_end
+from engine.model.common.layers import cu_seqlens, rows_end_to_end
 
 IGNORE = -100
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
-from engine.model.moe import Experts
+from engine.model.common.moe import Experts
 from engine.parallel.mesh import Mesh
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from engine.model.moe import Experts, Router
+from engine.model.common.moe import Experts, Router
 from engine.parallel.expert import shard_experts
 from engine.parallel.mesh import Mesh
 

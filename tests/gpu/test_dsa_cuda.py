@@ -191,7 +191,7 @@ def test_topk_at_least_the_length_is_dense_causal_attention():
 def test_dispatch_and_the_model(monkeypatch):
     """The DSA block on CUDA (kernels) equals itself with KILN_KERNELS=reference: output,
     indexer loss and every parameter's gradient."""
-    from engine.model.dsa import GatedDSAttention
+    from engine.model.common.dsa import GatedDSAttention
 
     torch.manual_seed(0)
     m = GatedDSAttention(hidden=256, heads=8, q_lora_rank=64, kv_lora_rank=128, qk_nope=32, qk_rope=16, v_dim=32,

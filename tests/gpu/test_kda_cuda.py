@@ -119,8 +119,8 @@ def test_dispatch_and_the_model(autocast, monkeypatch):
     in the same precision (twice their error at most), in fp32 and under bf16 autocast."""
     import copy
 
-    from engine.model.kimi_linear import KimiDeltaAttention
-    from engine.model.layers import cu_seqlens
+    from engine.model.common.kda import KimiDeltaAttention
+    from engine.model.common.layers import cu_seqlens
 
     torch.manual_seed(0)
     m = KimiDeltaAttention(hidden=256, H=4, K=64, gate_lower_bound=-5.0).cuda().train()
@@ -147,11 +147,11 @@ def test_dispatch_and_the_model(autocast, monkeypatch):
 
 @gpu_only
 def test_a_packed_layer_waits_for_the_device_once():
-    """The document offsets come to the host once a forward (engine.model.layers.cu_seqlens); the
+    """The document offsets come to the host once a forward (engine.model.common.layers.cu_seqlens); the
     KDA kernels, forward and backward, and the short convolution then take them without a host sync
     (each one drained the queue before)."""
-    from engine.model.kimi_linear import KimiDeltaAttention
-    from engine.model.layers import cu_seqlens
+    from engine.model.common.kda import KimiDeltaAttention
+    from engine.model.common.layers import cu_seqlens
 
     m = KimiDeltaAttention(hidden=256, H=4, K=64, gate_lower_bound=-5.0).cuda().train()
     x = torch.randn(1, 300, 256, device="cuda", requires_grad=True)

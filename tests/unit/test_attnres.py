@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.attnres import AttnResQueries, Residuals
+from engine.model.common.attnres import AttnResQueries, Residuals
 from kiln_kernels.attnres import depth_attention
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.dsa import GatedDSAttention
+from engine.model.common.dsa import GatedDSAttention
 from kiln_kernels.dsa import indexer_kl_loss, indexer_scores, indexer_topk, sparse_attention
 
 DIMS = dict(hidden=64, heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope=16, qk_rope=8, v_dim=16,

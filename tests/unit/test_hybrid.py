@@ -83,9 +83,9 @@ def test_attention_kernels_get_bf16_under_autocast(monkeypatch):
     """Training runs an fp32 model (frozen base and LoRA factors) under bf16 autocast; the kernels
     must see bf16 activations, not fp32 ones: fp32 inputs take IEEE dot products, ~10x slower. (A
     LoRA layer after an RMSNorm returned fp32 and made the H200 step 760 ms instead of 117.)"""
-    import engine.model.dsa as dsa
-    import engine.model.kimi_linear as kimi_linear
-    import engine.model.moe as moe
+    import engine.model.common.dsa as dsa
+    import engine.model.common.kda as kimi_linear
+    import engine.model.common.moe as moe
 
     seen: dict[str, list[torch.dtype]] = {}
 

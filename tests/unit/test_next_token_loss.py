@@ -88,7 +88,7 @@ def test_lora_on_the_head_and_no_targets(model):
 def test_autocast_input_casts_as_autocast_would(dtype):
     """One cast up front gives a linear the input autocast would give it: fp32 to bf16, float64
     (the checks) and bf16 as they are."""
-    from engine.model.layers import autocast_input
+    from engine.model.common.layers import autocast_input
 
     x, W = torch.randn(5, 8).to(dtype), torch.randn(3, 8).to(dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16):

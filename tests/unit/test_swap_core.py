@@ -16,7 +16,7 @@ from engine.lora import LoRALinear, apply_lora, frozen_linear
 from engine.memory import apply_swap_core
 from engine.memory.swap_core import SwapCore, quantize
 from engine.model.hybrid import HybridForCausalLM
-from engine.model.moe import Router, situ
+from engine.model.common.moe import Router, situ
 from engine.spec import LoraSpec, MemorySpec
 from kiln_kernels.moe import grouped
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers import RMSNorm, autocast_input, doc_starts
+from engine.model.common.layers import RMSNorm, autocast_input, doc_starts
 from kiln_kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
 
 

@@ -1,0 +1,86 @@
+"""Kimi Delta Attention (KDA): q/k/v projections and short causal convolutions, the per-channel
+decay gate (``ForgetGate``), beta, the chunked gated delta rule, a gated RMSNorm per head and
+o_proj. Kimi Linear's linear-attention layers and the hybrid's KDA blocks. Names are
+transformers' ``kimi_linear`` (one ``conv1d`` over q|k|v, the gate's parameters under
+``forget_gate``: the families' Hugging Face adapters convert Kimi's disk layout).
+
+Legend: B batch, T tokens, D hidden, H heads, K head dim.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.common.layers import GatedRMSNorm, autocast_input, f32
+from kiln_kernels.conv import short_conv
+from kiln_kernels.kda import kda_chunk, kda_gate
+
+
+class ForgetGate(nn.Module):
+    """The per-channel log decay: low-rank projection, then kda_gate (K3: lower bound -5)."""
+
+    def __init__(self, hidden: int, H: int, K: int, lower_bound: float | None = None):
+        super().__init__()
+        self.f_a_proj = nn.Linear(hidden, K, bias=False)
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(H * K))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1))
+        self.H, self.K, self.lower_bound = H, K, lower_bound
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        g = self.f_b_proj(self.f_a_proj(x_BTD)).view(*x_BTD.shape[:2], self.H, self.K)
+        return kda_gate(g, self.A_log.view(self.H), self.dt_bias.view(self.H, self.K), self.lower_bound)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA layer: q/k/v projections and short causal convolutions, the decay gate, beta, the
+    chunked delta rule, a gated RMSNorm per head and o_proj. ``full_rank_gate`` (K3): the output
+    gate is one D x HK projection (``g_proj``) instead of the low-rank g_a/g_b pair."""
+
+    def __init__(self, hidden: int, H: int, K: int, conv: int = 4, eps: float = 1e-5,
+                 gate_lower_bound: float | None = None, full_rank_gate: bool = False):
+        super().__init__()
+        D = hidden
+        self.H, self.K = H, K
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, H * K, bias=False) for _ in range(3))
+        self.conv1d = nn.Conv1d(3 * H * K, 3 * H * K, conv, groups=3 * H * K, bias=False)
+        self.forget_gate = ForgetGate(D, H, K, gate_lower_bound)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        if full_rank_gate:
+            self.g_proj = nn.Linear(D, H * K, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, H * K, bias=False)
+        self.o_norm = GatedRMSNorm(K, eps)
+        self.o_proj = nn.Linear(H * K, D, bias=False)
+
+    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cp=None) -> torch.Tensor:
+        """``cp`` (context parallel, engine.parallel.context.ContextShard): x is one rank's slice of
+        a sequence; the convolutions read the previous rank's last tokens and the state comes from
+        the previous rank."""
+        B, T, _ = x_BTD.shape
+        x_BTD = autocast_input(x_BTD)  # read by eight projections
+        # q's channels, k's, v's convolved apart (no concatenated copy); q and k L2-normalised per
+        # head in fp32 (fla's form), all three in the activations' dtype (bf16 under autocast: the
+        # kernel's products on bf16 tensor cores); the state, the decay and every sum stay fp32
+        filters = self.conv1d.weight.split(self.H * self.K)
+        halo = self.conv1d.weight.shape[-1] - 1
+        qkv = []
+        for name, proj, w, norm in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0)):
+            y = proj(x_BTD)
+            if cp is None:
+                y = short_conv(y, w, cu_seqlens, norm)
+            else:
+                y, cu_halo = cp.halo(y, halo, (id(self), name))
+                y = short_conv(y, w, cu_halo, norm)[:, halo:]
+            qkv.append(y.view(B, T, self.H, self.K))
+        q, k, v = qkv
+        g = self.forget_gate(x_BTD)
+        beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
+        h0 = None if cp is None else cp.state_in(x_BTD, (self.H, self.K, self.K), len(cu_seqlens) - 1, (id(self), "S"))
+        o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens)
+        if cp is not None:
+            o = cp.state_out(final[-1], o)
+        gate = (self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD)))
+        gate = gate.view(B, T, self.H, self.K)
+        return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))
