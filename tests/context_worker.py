@@ -21,8 +21,7 @@ from engine.data import IGNORE, Sample
 from engine.lora import apply_lora
 from engine.memory import apply_swap_core
 from engine.model.hybrid import HybridForCausalLM
-from engine.model.kimi_linear import KimiLinearForCausalLM
-from engine.models import init_kimi_linear, kimi_linear_tiny_config
+from engine.model.kimi_linear import KimiLinearForCausalLM, init_kimi_linear, kimi_linear_tiny_config
 from engine.spec import LoraSpec, MemorySpec
 from engine.training.ranks import ranks_for
 from engine.training.step import accumulate

@@ -14,7 +14,7 @@ per worker) and parallel:
         reshards on load, so any other layout loads it too.
 
 The module tree's names come from the model the config describes, built on the meta device; each
-module tensor is found on disk under its own name or the family's (``engine.checkpoint.names``:
+module tensor is found on disk under its own name or the family's (``engine.model.common.names``:
 ``block_sparse_moe``, Kimi's ``w1/w3/w2`` or DeepSeek's ``gate/up/down_proj`` per expert, the
 q/k/v short convolutions).
 """
@@ -35,9 +35,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.checkpoint import names
-from engine.checkpoint.hf import shards
 from engine.checkpoint.mxfp4 import PACKED, SCALE, decode_reference, dequantize
+from engine.model.common import names
+from engine.model.common.hf import shards
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32, "BOOL": torch.bool}
@@ -232,7 +232,7 @@ def to_dcp(src: Path, dst: Path, fsdp_shards: int, ep_size: int = 1, workers: in
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from engine.model.common.moe import Experts
-    from engine.models import build_meta
+    from engine.model.registry import build_meta
 
     if fsdp_shards < 1 or ep_size < 1 or fsdp_shards % ep_size:
         raise ValueError(f"--ep-size ({ep_size}) must divide --fsdp-shards ({fsdp_shards})")

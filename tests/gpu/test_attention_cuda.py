@@ -68,8 +68,7 @@ def test_the_dispatch_runs_the_kernels_on_cuda_without_a_mask(monkeypatch):
 
 
 def test_kimi_linear_packed_rows_equal_each_document_alone():
-    from engine.models import init_kimi_linear, kimi_linear_tiny_config
-    from engine.model.kimi_linear import KimiLinearForCausalLM
+    from engine.model.kimi_linear import KimiLinearForCausalLM, init_kimi_linear, kimi_linear_tiny_config
 
     model = KimiLinearForCausalLM(kimi_linear_tiny_config())
     init_kimi_linear(model, 0)

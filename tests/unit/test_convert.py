@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.convert import layout, to_bf16
 from engine.checkpoint.mxfp4 import FP4, decode_reference, dequantize, quantize
-from engine.models import _kimi_linear_tiny, load_base
+from engine.model.kimi_linear.builtin import write_tiny as _kimi_linear_tiny
+from engine.models import load_base
 from tests.unit.test_parallel import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]

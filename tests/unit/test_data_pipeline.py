@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.data import Dataset, ImageCache, collate, epoch_batches, split
-from engine.tiny_model import TinyConfig, TinyForCausalLM, init_weights
+from engine.model.tiny import TinyConfig, TinyForCausalLM, init_weights
 from kiln.dataset import DatasetError
 from kiln.dataset import LengthBound
 from kiln.tokenizer import ByteTokenizer, chat_template

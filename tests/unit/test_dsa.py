@@ -156,7 +156,7 @@ def test_deepseek_v32_checkpoint_logits_match_transformers(tmp_path):
     """A small random DeepSeek V3.2 saved by transformers (grouped routing, a dense first layer,
     shared experts), loaded through our loader into the hybrid model: the same logits."""
     transformers = pytest.importorskip("transformers")
-    from engine.checkpoint.hf import load_deepseek_v32
+    from engine.model.deepseek_v32 import load_deepseek_v32
 
     cfg = transformers.DeepseekV32Config(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,

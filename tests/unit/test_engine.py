@@ -14,7 +14,7 @@ from kiln.store import LocalStore
 from engine.lora import apply_lora, lora_state
 from engine.reporting import RecordingReporter
 from engine.spec import JobSpec, LoraSpec, MemorySpec
-from engine.tiny_model import TinyConfig, TinyForCausalLM, init_weights, load_pretrained, save_pretrained
+from engine.model.tiny import TinyConfig, TinyForCausalLM, init_weights, load_pretrained, save_pretrained
 from kiln.dataset import DatasetError
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.checkpoint.hf import load_kimi_linear, shards
+from engine.model.common.hf import shards
+from engine.model.kimi_linear import load_kimi_linear
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,7 +109,7 @@ def test_our_adapter_loads_in_peft_and_gives_our_logits(saved, tmp_path):
 
 
 def test_to_hf_round_trips_and_transformers_reads_it(saved, tmp_path):
-    from engine.checkpoint.hf import save_kimi_linear
+    from engine.model.kimi_linear import save_kimi_linear
     ref, folder = saved
     ours = load_kimi_linear(folder).eval()
     save_kimi_linear(ours, tmp_path / "again")

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from engine.lora import LoRALinear, apply_lora, merge, unmerge
-from engine.model.kimi_linear import KimiLinearForCausalLM
 from engine.model.common.moe import Router, counts_of
-from engine.models import init_kimi_linear, kimi_linear_tiny_config
+from engine.model.kimi_linear import KimiLinearForCausalLM, init_kimi_linear, kimi_linear_tiny_config
 from engine.spec import LoraSpec
 from tests.tolerance import rel
 

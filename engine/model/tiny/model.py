@@ -1,19 +1,17 @@
 """kiln-tiny: the small built-in model (a Llama-style decoder with a patch-embedding image
 encoder) that runs the whole service path on a CPU. Module names follow the Hugging Face layout
-(``model.layers.N.self_attn.q_proj``) so adapters carry PEFT's key names.
+(``model.layers.N.self_attn.q_proj``) so adapters carry PEFT's key names; on disk (``hf.py``) the
+tensors keep those names.
 
 Legend: B batch, T tokens, D hidden, H heads, K head dim, N images, P patches per image.
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.model.common.layers import CausalLM, RMSNorm, autocast_input, row_documents
@@ -150,24 +148,3 @@ def init_weights(model: TinyForCausalLM, seed: int) -> None:
     for layer in model.model.layers:  # residual branches scaled by depth (GPT-2's rule)
         for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
             lin.weight.data.mul_(1 / math.sqrt(2 * model.config.num_hidden_layers))
-
-
-def save_pretrained(model: TinyForCausalLM, folder: Path) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({**asdict(model.config), "architectures": ["KilnTinyForCausalLM"]}, indent=2))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
-
-
-def load_pretrained(folder: Path) -> TinyForCausalLM:
-    """Build on the meta device, then take the tensors from the safetensors file as they are."""
-    raw = json.loads((folder / "config.json").read_text())
-    fields = TinyConfig.__dataclass_fields__
-    config = TinyConfig(**{k: v for k, v in raw.items() if k in fields})
-    with torch.device("meta"):
-        model = TinyForCausalLM(config)
-    state = load_file(str(folder / "model.safetensors"))
-    missing = set(model.state_dict()) - set(state)
-    if missing:
-        raise ValueError(f"{folder}: checkpoint lacks {sorted(missing)[:5]}")
-    model.load_state_dict(state, assign=True, strict=True)
-    return model

@@ -3,7 +3,7 @@
 Module names follow transformers' in-memory ``kimi_linear`` tree (grouped experts:
 ``mlp.experts.gate_up_proj`` [E, 2I, D], ``mlp.experts.down_proj`` [E, D, I]; one ``conv1d`` over
 q|k|v), so adapters made here carry the names PEFT uses on the transformers model; the on-disk
-layout (``block_sparse_moe.experts.N.w1``…) is converted in ``engine.checkpoint.hf``.
+layout (``block_sparse_moe.experts.N.w1``…) is converted in ``hf.py``.
 
 Legend: B batch, T tokens, D hidden, H heads, K head dim, V value dim, E experts, I expert width.
 """

@@ -18,6 +18,23 @@ from engine.model.common.moe import MLP, MoE
 from engine.model.common.vision import VisionTower
 
 
+def image_tokens_of(c: ModelConfig) -> int | None:
+    """Tokens an image fills (its patches); None: no image encoder."""
+    v = c.vision
+    return (v.image_size // v.patch_size) ** 2 if v else None
+
+
+def position_limit_of(c: ModelConfig) -> int | None:
+    """The longest sequence the positions allow: RoPE's ``max_seq_len``; None without RoPE (K3's
+    NoPE attention: KDA carries order), any length that fits."""
+    return c.max_seq_len if c.dsa.rope else None
+
+
+def experts_of(c: ModelConfig) -> int:
+    """Routed experts per MoE layer; 0 where every layer is dense."""
+    return c.moe.experts if c.layers > c.moe.first_dense else 0
+
+
 class HybridLayer(nn.Module):
     def __init__(self, c: ModelConfig, i: int):
         super().__init__()
@@ -70,8 +87,7 @@ class HybridForCausalLM(CausalLM, nn.Module):
 
     @property
     def image_tokens(self) -> int | None:
-        v = self.config.vision
-        return (v.image_size // v.patch_size) ** 2 if v else None
+        return image_tokens_of(self.config)
 
     @property
     def image_size(self) -> int:
