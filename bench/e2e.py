@@ -8,7 +8,7 @@ The checkpoint: transformers' ``KimiLinearForCausalLM`` at Kimi-Linear-48B-A3B's
 (hidden 2304, KDA 32 x 128, MLA 32 heads q/k 192 v 128, 256 experts of 1024 top-8 + 1 shared,
 vocab 163840), 5 layers (KDA, KDA, KDA, MLA, KDA; the first MLP dense), random weights, saved by
 transformers in bf16 to ``--ckpt`` once and loaded from there by both sides: Kiln through
-``engine.models.load_base`` as the trainer loads it, transformers through ``from_pretrained``.
+``engine.model.registry.load_base`` as the trainer loads it, transformers through ``from_pretrained``.
 LoRA rank 16 (alpha 32) on q/k/v/o and the MLPs' gate/up/down projections, and with
 ``experts`` on every expert's gate_up/down too (PEFT's ``target_parameters``); AdamW.
 
@@ -250,7 +250,7 @@ class Kiln:
 
     def __init__(self, folder: Path, experts: bool):
         from engine.lora import apply_lora, store_frozen
-        from engine.models import load_base
+        from engine.model.registry import load_base
         from engine.spec import LoraSpec
 
         t0 = time.perf_counter()

@@ -25,7 +25,7 @@ from kiln.dataset import LengthBound
 from engine.training.ranks import Single
 from engine.training.step import evaluate
 from engine.lora import apply_lora, load_adapter
-from engine.models import load_base
+from engine.model.registry import load_base
 from engine.reporting import RecordingReporter
 from engine.spec import JobSpec, LoraSpec
 from kiln.dataset import DatasetSource, iter_lines, parse_line

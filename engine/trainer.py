@@ -21,7 +21,7 @@ import torch
 from engine.config import ModelConfig, count_parameters
 from engine.data import Dataset, ImageCache, epoch_batches, split
 from engine.memory import apply_swap_core
-from engine.models import ensure_builtin, load_base, position_limit
+from engine.model.registry import ensure_builtin, load_base, position_limit
 from engine.spec import JobSpec, Reporter, Store, TrainResult
 from engine.training.checkpointer import checkpointer_for
 from engine.training.hyper import lr_lambda, resolve

@@ -100,7 +100,7 @@ def main() -> None:
     if a.meta:  # the sharded load of a big model: meta init, shard, to_empty, read only the local pieces
         from pathlib import Path
 
-        from engine.models import build_meta
+        from engine.model.registry import build_meta
 
         model = parallelize(build_meta(Path(a.meta)), mesh).to_empty(device=mesh.device)
         dcp.load(a.load, model, mesh, everything=True)

@@ -1,5 +1,4 @@
 """Memory: Swap Core (recompute per block with an op-level cache on the device or the host)."""
 from engine.memory.swap_core import OP_CLASSES, SwapCore, apply_swap_core, check_spec
-from engine.model.common.recompute import recomputing  # the flag Swap Core raises while it recomputes
 
-__all__ = ["OP_CLASSES", "SwapCore", "apply_swap_core", "check_spec", "recomputing"]
+__all__ = ["OP_CLASSES", "SwapCore", "apply_swap_core", "check_spec"]

@@ -17,7 +17,7 @@ a layer needs tokens of other ranks:
 Each is an autograd Function whose backward moves the gradients the other way, so the whole
 step's gradients equal one rank's. Under Swap Core's recompute nothing is sent again: each
 exchange keeps what it received (keyed by the caller) and hands it back while
-``engine.memory.recomputing()``; the forward's own autograd nodes carry the gradients.
+``engine.model.common.recompute.recomputing()``; the forward's own autograd nodes carry the gradients.
 
 ``split`` cuts a collated batch into this rank's slice and its ``ContextShard``; the labels are
 taken one past the slice (the next rank's first token is its last token's target).
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.memory import recomputing
+from engine.model.common.recompute import recomputing
 from engine.model.common.layers import cu_seqlens, rows_end_to_end
 
 IGNORE = -100

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.lora import apply_lora, load_adapter, save_adapter
-from engine.model.moe import Router
-from engine.models import save_base
+from engine.model.common.moe import Router
+from engine.model.registry import save_base
 from engine.spec import JobSpec, Store, TrainResult
 from engine.training.hyper import Resolved
 

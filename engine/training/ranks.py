@@ -124,7 +124,7 @@ class MeshRanks(Single):
     def whole(self, model: torch.nn.Module, model_dir) -> torch.nn.Module | None:
         """A fresh copy on rank 0 filled with the gathered weights (every rank takes part; the
         others get None)."""
-        from engine.models import load_base
+        from engine.model.registry import load_base
         from engine.parallel.fsdp import full_tensors
 
         weights = full_tensors(model, self.mesh)

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import engine
-from engine.models import load_base
+from engine.model.registry import load_base
 from engine.reporting import RecordingReporter
 from engine.spec import JobSpec
 from kiln.store import LocalStore

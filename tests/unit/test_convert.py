@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint.convert import layout, to_bf16
+from engine.tools.convert import layout, to_bf16
 from engine.checkpoint.mxfp4 import FP4, decode_reference, dequantize, quantize
 from engine.model.kimi_linear.builtin import write_tiny as _kimi_linear_tiny
-from engine.models import load_base
+from engine.model.registry import load_base
 from tests.unit.test_parallel import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_layout_cuts_like_fsdp_and_expert_parallel():
 def test_mxfp4_checkpoint_to_dcp_loads_sharded_on_the_meta_device(tmp_path):
     src = mxfp4_checkpoint(tmp_path)
     to_bf16(src, tmp_path / "bf16", workers=1)
-    cmd = [sys.executable, "-m", "engine.checkpoint.convert", "dcp", str(src), str(tmp_path / "dcp"),
+    cmd = [sys.executable, "-m", "engine.tools.convert", "dcp", str(src), str(tmp_path / "dcp"),
            "--fsdp-shards", "4", "--ep-size", "2", "--workers", "2"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

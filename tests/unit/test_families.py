@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from engine.lora import apply_lora
-from engine.models import BUILTINS, FAMILIES, ensure_builtin, load_base
+from engine.model.registry import BUILTINS, FAMILIES, ensure_builtin, load_base
 from engine.spec import LoraSpec
 from kiln.catalog import CARDS, Targets
 

@@ -28,7 +28,7 @@ def test_a_position_limit_is_the_default_bound_and_names_what_fits():
 
 def test_the_catalog_and_the_engine_agree_on_every_built_in_model(tmp_path):
     from api import catalog
-    from engine.models import ensure_builtin, load_base, position_limit
+    from engine.model.registry import ensure_builtin, load_base, position_limit
 
     for name, info in catalog.BASE_MODELS.items():
         ensure_builtin(name, tmp_path / name)

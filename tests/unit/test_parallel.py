@@ -135,7 +135,7 @@ def test_full_training_on_two_processes_saves_the_whole_model(tmp_path):
     """Every parameter trains (routers rebalance on the summed loads); rank 0 saves the gathered
     model in the family's format, and it equals the one-process run's. Kimi Linear: the hybrid's
     DSA indexer loss is averaged per forward, so it depends on how a step is split (README)."""
-    from engine.models import load_base
+    from engine.model.registry import load_base
 
     text = "\n".join(l for l in (SAMPLE / "train.jsonl").read_text().splitlines() if '"images"' not in l)
     (tmp_path / "text.jsonl").write_text(text + "\n")

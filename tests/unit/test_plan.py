@@ -7,7 +7,7 @@ import pytest
 from engine.config import ModelConfig, count_parameters
 from engine.lora import apply_lora
 from engine.model.hybrid import HybridForCausalLM
-from engine.parallel.plan import TARGETS, choose, estimate, fewest_gpus, lora_parameters, main
+from engine.tools.plan import TARGETS, choose, estimate, fewest_gpus, lora_parameters, main
 from engine.spec import LoraSpec
 
 
@@ -59,7 +59,7 @@ def test_kimi_linear_estimates_are_within_20_percent_of_the_h200_peaks():
     import json
     from pathlib import Path
 
-    from engine.parallel.plan import kimi_linear_memory
+    from engine.tools.plan import kimi_linear_memory
 
     rows = json.loads((Path(__file__).resolve().parents[2] / "bench/results/e2e.json").read_text())["rows"]
     c = kimi_48b_5l()
@@ -72,7 +72,7 @@ def test_kimi_linear_estimates_are_within_20_percent_of_the_h200_peaks():
 
 
 def test_the_planner_chooses_the_fewest_context_parallel_ranks_that_fit():
-    from engine.parallel.plan import choose_cp, kimi_linear_memory
+    from engine.tools.plan import choose_cp, kimi_linear_memory
 
     c = kimi_48b_5l()
     assert choose_cp(c, 8192, 8, 141) == 1
@@ -88,7 +88,7 @@ def test_the_command_line_plans_a_long_kimi_linear_sequence(tmp_path, capsys):
     import json
 
     from bench.e2e import SHAPE
-    from engine.parallel.plan import main
+    from engine.tools.plan import main
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({**SHAPE, "model_type": "kimi_linear"}))

@@ -1,6 +1,6 @@
 """Where the families' checkpoints keep what our modules hold: one table for the loaders (disk
 to ours: ``common/hf.py`` and the families' ``hf.py``) and for the DCP converter (ours to disk:
-``engine.checkpoint.convert``).
+``engine.tools.convert``).
 
 - Kimi calls the MoE ``block_sparse_moe`` and keeps KDA's gate parameters on the attention
   itself (ours: under ``forget_gate``).

@@ -1,12 +1,12 @@
 """Checkpoint conversion tools, streaming (one tensor, or one slice of one, in memory at a time
 per worker) and parallel:
 
-    python -m engine.checkpoint.convert bf16 SRC DST [--workers 8]
+    python -m engine.tools.convert bf16 SRC DST [--workers 8]
         MXFP4 -> BF16: every ``<name>.weight_packed`` + ``<name>.weight_scale`` pair becomes
         ``<name>.weight`` (other tensors are copied), one output shard per input shard, one
         process per shard at a time; a few rows of every tensor are checked against the
         bit-level reference decode (``--verify-rows``).
-    python -m engine.checkpoint.convert dcp SRC DST --fsdp-shards 128 --ep-size 64 [--workers 8]
+    python -m engine.tools.convert dcp SRC DST --fsdp-shards 128 --ep-size 64 [--workers 8]
         safetensors (plain or MXFP4, any supported family's names) -> a DCP checkpoint under
         the module tree's names, each tensor cut exactly as a run with that many FSDP shards and
         that EP size holds it (dim 0 in FSDP2's chunks; expert tensors first into ``ep`` expert
@@ -265,7 +265,7 @@ def to_dcp(src: Path, dst: Path, fsdp_shards: int, ep_size: int = 1, workers: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.checkpoint.convert", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m engine.tools.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bf16", help="MXFP4 safetensors -> BF16 safetensors")

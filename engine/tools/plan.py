@@ -1,7 +1,7 @@
 """The planner: memory per device and the layout for a model and a cluster, before any run.
 
-    python -m engine.parallel.plan --gpus 512 [--gpu-memory-gb 141] [--tokens 8192] [--lora-rank 16]
-    python -m engine.parallel.plan --model kimi_linear/config.json --gpus 8 --tokens 262144 [--recompute none]
+    python -m engine.tools.plan --gpus 512 [--gpu-memory-gb 141] [--tokens 8192] [--lora-rank 16]
+    python -m engine.tools.plan --model kimi_linear/config.json --gpus 8 --tokens 262144 [--recompute none]
 
 For the flagship (or ``--model debug`` / a kiln_hybrid config.json): FSDP2 shards every weight
 over all ranks, so sharded weights cost the same per device whatever the EP size; the EP size
@@ -265,7 +265,7 @@ def kimi_linear_report(c: KimiLinearConfig, tokens: int, gpus: int, capacity_gb:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = argparse.ArgumentParser(prog="python -m engine.parallel.plan", description=__doc__,
+    a = argparse.ArgumentParser(prog="python -m engine.tools.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("--model", default="flagship", help="flagship, debug, or a kiln_hybrid or kimi_linear config.json")
     a.add_argument("--gpus", type=int, required=True)
