@@ -6,8 +6,8 @@ use), small enough to fine-tune on a CPU in a minute.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kiln.catalog import CARDS
 from kiln.dataset import Example, LengthBound

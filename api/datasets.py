@@ -35,7 +35,7 @@ def check_archive(path: Path, settings: Settings) -> None:
     try:
         zf = zipfile.ZipFile(path)
     except zipfile.BadZipFile as e:
-        raise ApiError(400, f"Not a valid zip archive: {e}", param="file", code="invalid_archive")
+        raise ApiError(400, f"Not a valid zip archive: {e}", param="file", code="invalid_archive") from e
     with zf:
         infos = zf.infolist()
         if len(infos) > settings.max_archive_members:
@@ -73,7 +73,7 @@ def open_source(data: Path, images: Path | None, param: str) -> DatasetSource:
     try:
         return DatasetSource(data, images)
     except DatasetError as e:
-        raise ApiError(400, str(e), param=param, code="invalid_file")
+        raise ApiError(400, str(e), param=param, code="invalid_file") from e
 
 
 def raise_if_bad(report: Report, param: str, what: str) -> None:

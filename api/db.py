@@ -1,9 +1,9 @@
 """Engine and session factory. One place decides pragmas and pool settings per backend."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Iterator
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import Engine

@@ -1,8 +1,8 @@
 """Request-scoped dependencies: the database session and the store."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from functools import lru_cache
-from typing import AsyncIterator
 
 from sqlalchemy.orm import Session
 

@@ -8,7 +8,6 @@ worker from holding messages another worker could run.
 from __future__ import annotations
 
 import logging
-
 from functools import lru_cache
 
 from celery import Celery

@@ -45,7 +45,7 @@ class ParallelSettings(BaseModel):
     cp_size: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
 
     @model_validator(mode="after")
-    def _ep_divides(self) -> "ParallelSettings":
+    def _ep_divides(self) -> ParallelSettings:
         for name in ("ep_size", "cp_size"):
             if self.nproc % getattr(self, name):
                 raise ValueError(f"{name} ({getattr(self, name)}) must divide nproc ({self.nproc})")

@@ -11,11 +11,11 @@ from sqlalchemy.orm import Session
 
 from api import catalog, queue
 from api.datasets import check_dataset, open_source, raise_if_bad
-from kiln.dataset import LengthBound, Report
 from api.errors import ApiError, not_found
 from api.models import TERMINAL_STATES, Checkpoint, File, IdempotencyRecord, Job, JobEvent, now
 from api.schemas import JobCreate, LoraSettings
 from api.settings import Settings
+from kiln.dataset import LengthBound, Report
 from kiln.store import LocalStore
 
 

@@ -80,7 +80,7 @@ async def receive(request: Request, store: LocalStore, limit: int, file_field: s
             await run_in_threadpool(out.upload.finish)
     except TooLarge as e:
         out.upload and out.upload.abort()
-        raise ApiError(413, f"File is larger than the upload limit of {e.limit} bytes", param="file", code="file_too_large")
+        raise ApiError(413, f"File is larger than the upload limit of {e.limit} bytes", param="file", code="file_too_large") from e
     except ApiError:
         out.upload and out.upload.abort()
         raise
@@ -88,8 +88,8 @@ async def receive(request: Request, store: LocalStore, limit: int, file_field: s
         if out.upload:
             out.upload.abort()
         if isinstance(e, OSError):
-            raise ApiError(507, f"Could not store the upload: {e.strerror or e}", code="storage_error")
-        raise ApiError(400, f"Malformed multipart body: {e}", code="malformed_body")
+            raise ApiError(507, f"Could not store the upload: {e.strerror or e}", code="storage_error") from e
+        raise ApiError(400, f"Malformed multipart body: {e}", code="malformed_body") from e
     if out.upload is None:
         raise ApiError(400, "Missing the 'file' part of the form", param="file", code="missing_file")
     return out

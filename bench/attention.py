@@ -5,8 +5,9 @@ as ``kiln_kernels.attention.flash.BF16_BACKEND``.
     python3 -m bench.attention [--tokens 8192 32768 131072] [--doc 0 4096]
 
 Methods: ``flash`` (varlen FlashAttention-2, v padded to 192), ``efficient`` (varlen
-memory-efficient kernels), ``sdpa`` (equal documents as SDPA's batch: cuDNN), ``flex`` (FlexAttention with a document block mask, compiled; its
-compile time printed apart), ``sdpa mask`` (today's before this bench: SDPA with a dense [T, T]
+memory-efficient kernels), ``sdpa`` (equal documents as SDPA's batch: cuDNN), ``flex``
+(FlexAttention with a document block mask, compiled; its compile time printed apart), ``sdpa
+mask`` (today's before this bench: SDPA with a dense [T, T]
 boolean mask, up to 32k tokens) and, for one document, ``sdpa causal`` (SDPA's own choice with
 is_causal). ``--doc 0``: one document of all the tokens; ``--doc 4096``: documents of 4096.
 FLOPs are the causal ones that count, 2 H (D + E) sum_n L_n (L_n + 1) / 2 forward and 3.5 times
@@ -53,9 +54,10 @@ def methods(T: int, cu: torch.Tensor) -> dict:
            for name in flash.BACKENDS}
     try:
         out["flex"] = flex_method(T, cu)
-    except Exception as e:  # noqa: BLE001 - the bench reports what it could not build
+    except Exception as e:  # the bench reports what it could not build
         print(f"flex: not built ({type(e).__name__}: {e})", file=sys.stderr)
-    sdpa = lambda q, k, v, **kw: F.scaled_dot_product_attention(  # noqa: E731 (4-D: 3-D inputs take the math path)
+    # 4-D: 3-D inputs take the math path
+    sdpa = lambda q, k, v, **kw: F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=D ** -0.5, **kw)[0].transpose(0, 1)
     if T <= 32768:
         mask = document_mask(cu, cu, "cuda")

@@ -13,6 +13,7 @@ after 5. Baseline: the reference. Writes bench/results/conv.json.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
         want = reference.short_conv(x, w, cu, norm)
         base = None
         for name, fn in methods(norm).items():
-            row = pass_row(lambda: fn(x, w, cu, norm), [x], dy, want, 2 * T * C * 2, 5 * T * C * 2, base)
+            row = pass_row(partial(fn, x, w, cu, norm), [x], dy, want, 2 * T * C * 2, 5 * T * C * 2, base)
             base = base or row
             rows.append({"T": T, "C": C, "doc": doc, "norm": norm, "method": name, **row})
     return report(f"short conv + SiLU, bf16, width 4, {torch.cuda.get_device_name()}", rows,

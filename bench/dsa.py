@@ -113,6 +113,67 @@ def tune(a) -> None:
     fused.CONFIG.update(defaults)
 
 
+def dims(a) -> tuple[int, int, int, int, int, int]:
+    """H query heads, D the absorbed query/key width, E the value width, J index heads of Dh, rope."""
+    return a.heads, 576, 512, a.index_heads, 128, 64
+
+
+def measure(a, T: int) -> list[dict]:
+    """One length: each part's time on both paths and dense SDPA's, a row each (printed as it goes).
+    Its tensors are this call's locals, freed when it returns."""
+    H, D, E, J, Dh, rope = dims(a)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    qi = torch.randn(T, J, Dh, generator=g, **bf).requires_grad_()
+    ki = torch.randn(T, Dh, generator=g, **bf).requires_grad_()
+    w = (torch.randn(T, J, generator=g, **bf) * J ** -0.5).requires_grad_()
+    q = torch.randn(T, H, D, generator=g, **bf).requires_grad_()
+    kv = torch.randn(T, D, generator=g, **bf).requires_grad_()
+    do = torch.randn(T, H, E, generator=g, **bf)
+    scale = (128 + rope) ** -0.5
+    starts = torch.zeros(1, T, dtype=torch.long, device="cuda")
+    idx = fused.indexer_topk(qi[None], ki[None], w[None], starts, a.topk)
+
+    def f_topk():
+        fused.indexer_topk(qi[None], ki[None], w[None], starts, a.topk)
+
+    def f_attn():
+        o, p = fused.sparse_attention(q[None], kv[None, :, None], kv[None, :, None, :E], idx, scale, True)
+        o.backward(do[None])
+        return p
+
+    target = f_attn()[0]
+
+    def f_loss():
+        fused.indexer_kl_loss(qi[None], ki[None], w[None], idx, target[None]).backward()
+
+    ms_f = {"top-k": timed(f_topk), "attention": timed(f_attn), "loss": timed(f_loss)}
+    c_idx, c_att = max(64, 2**26 // T), 512
+    ms_g = {"top-k": timed(lambda: gather_topk(qi.detach(), ki.detach(), w.detach(), a.topk, c_idx)),
+            "attention": timed(lambda: gather_attention(q, kv, idx[0], do, E, scale, c_att)),
+            "loss": timed(lambda: gather_loss(qi, ki, w, idx[0], target, c_att))}
+    qd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
+    kd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
+    vd = torch.randn(1, H, T, 128, generator=g, **bf).requires_grad_()
+    dod = torch.randn(1, H, T, 128, generator=g, **bf)
+    dense = timed(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).backward(dod))
+    ms_f["total"], ms_g["total"] = sum(ms_f.values()), sum(ms_g.values())
+    keys = float((idx >= 0).sum()) / T
+    att_flops = 3.5 * 2 * T * H * keys * (D + E)
+    rows = []
+    for part in ms_f:
+        row = {"T": T, "part": part, "gather_ms": ms_g[part], "triton_ms": ms_f[part],
+               "speedup": ms_g[part] / ms_f[part], "dense_ms": dense, "vs_dense": dense / ms_f[part]}
+        tf = ""
+        if part == "attention":
+            row["tflops"] = att_flops / ms_f[part] / 1e9
+            tf = f"{row['tflops']:.0f}"
+        rows.append(row)
+        print(f"| {T} | {part} | {ms_g[part]:.1f} | {ms_f[part]:.1f} | {row['speedup']:.2f}x | {tf} | "
+              f"{dense:.1f} | {row['vs_dense']:.2f}x |", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
@@ -124,62 +185,14 @@ def main() -> None:
     a = ap.parse_args()
     if a.tune:
         return tune(a)
-    H, D, E, J, Dh, rope = a.heads, 576, 512, a.index_heads, 128, 64
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    H, D, E, J, Dh, _ = dims(a)
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; H={H}, D={D}, E={E}, index {J}x{Dh}, "
           f"top-{a.topk}, bf16, fwd+bwd")
     print("| T | part | gather ms | Triton ms | Triton / gather | attention TFLOP/s | dense SDPA ms | vs dense |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for T in a.seq:
-        g = torch.Generator(device="cuda").manual_seed(T)
-        qi = torch.randn(T, J, Dh, generator=g, **bf).requires_grad_()
-        ki = torch.randn(T, Dh, generator=g, **bf).requires_grad_()
-        w = (torch.randn(T, J, generator=g, **bf) * J ** -0.5).requires_grad_()
-        q = torch.randn(T, H, D, generator=g, **bf).requires_grad_()
-        kv = torch.randn(T, D, generator=g, **bf).requires_grad_()
-        do = torch.randn(T, H, E, generator=g, **bf)
-        scale = (128 + rope) ** -0.5
-        starts = torch.zeros(1, T, dtype=torch.long, device="cuda")
-        idx = fused.indexer_topk(qi[None], ki[None], w[None], starts, a.topk)
-
-        def f_topk():
-            fused.indexer_topk(qi[None], ki[None], w[None], starts, a.topk)
-
-        def f_attn():
-            o, p = fused.sparse_attention(q[None], kv[None, :, None], kv[None, :, None, :E], idx, scale, True)
-            o.backward(do[None])
-            return p
-
-        target = f_attn()[0]
-
-        def f_loss():
-            fused.indexer_kl_loss(qi[None], ki[None], w[None], idx, target[None]).backward()
-
-        ms_f = {"top-k": timed(f_topk), "attention": timed(f_attn), "loss": timed(f_loss)}
-        c_idx, c_att = max(64, 2**26 // T), 512
-        ms_g = {"top-k": timed(lambda: gather_topk(qi.detach(), ki.detach(), w.detach(), a.topk, c_idx)),
-                "attention": timed(lambda: gather_attention(q, kv, idx[0], do, E, scale, c_att)),
-                "loss": timed(lambda: gather_loss(qi, ki, w, idx[0], target, c_att))}
-        qd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
-        kd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
-        vd = torch.randn(1, H, T, 128, generator=g, **bf).requires_grad_()
-        dod = torch.randn(1, H, T, 128, generator=g, **bf)
-        dense = timed(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).backward(dod))
-        ms_f["total"], ms_g["total"] = sum(ms_f.values()), sum(ms_g.values())
-        keys = float((idx >= 0).sum()) / T
-        att_flops = 3.5 * 2 * T * H * keys * (D + E)
-        for part in ms_f:
-            row = {"T": T, "part": part, "gather_ms": ms_g[part], "triton_ms": ms_f[part],
-                   "speedup": ms_g[part] / ms_f[part], "dense_ms": dense, "vs_dense": dense / ms_f[part]}
-            tf = ""
-            if part == "attention":
-                row["tflops"] = att_flops / ms_f[part] / 1e9
-                tf = f"{row['tflops']:.0f}"
-            rows.append(row)
-            print(f"| {T} | {part} | {ms_g[part]:.1f} | {ms_f[part]:.1f} | {row['speedup']:.2f}x | {tf} | "
-                  f"{dense:.1f} | {row['vs_dense']:.2f}x |", flush=True)
-        del qi, ki, w, q, kv, do, qd, kd, vd, dod, idx, target
+        rows += measure(a, T)
         torch.cuda.empty_cache()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

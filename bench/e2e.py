@@ -279,11 +279,10 @@ class Kiln:
             apply_swap_core(self.model, MemorySpec(recompute="selective"))
 
     def tag(self) -> list:
-        from engine.lora import ExpertsLoRA, LoRALinear
-        from engine.model.kimi_linear import KimiDeltaAttention, MLAttention
-        from engine.model.common.moe import MoE
-
         import engine.model.common.layers as layers
+        from engine.lora import ExpertsLoRA, LoRALinear
+        from engine.model.common.moe import MoE
+        from engine.model.kimi_linear import KimiDeltaAttention, MLAttention
 
         return tag_modules(self.model, {LoRALinear: "projections + LoRA", nn.Linear: "projections + LoRA",
                                         ExpertsLoRA: "MoE", KimiDeltaAttention: "KDA", MLAttention: "attention",
@@ -459,7 +458,7 @@ def main() -> None:
           "Kiln first step s |")
     print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in sorted(rows.values(), key=lambda r: (r["experts"], r["tokens"], r["layout"])):
-        f = lambda v, fmt: format(v, fmt) if v is not None else "-"  # noqa: E731
+        f = lambda v, fmt: format(v, fmt) if v is not None else "-"
         print(f"| {r['tokens']} | {r['layout']} | {r['experts']} | {f(r['kiln_tokens_per_s'], '.0f')} | "
               f"{f(r['hf_tokens_per_s'], '.0f')} | {f(r['speedup'], '.2f')}x | {f(r['kiln_peak_gib'], '.1f')} | "
               f"{f(r['hf_peak_gib'], '.1f')} | {f(r['memory_ratio'], '.2f')}x | {f(r.get('kiln_first_step_s'), '.1f')} |")

@@ -135,7 +135,8 @@ def main() -> None:
                 ratio = (lambda v: f"{v:.2f}x" if v else "-")
                 print(f"| {T} | {H} | {name} | {m['fwd_ms']:.2f} | {row['fwd_mtok_s']:.2f} | {row['fwd_tflops']:.1f} | "
                       f"{m['fwd_bwd_ms']:.2f} | {row['fwd_bwd_mtok_s']:.2f} | {row['fwd_bwd_tflops']:.1f} | "
-                      f"{m['peak_gib']:.1f} | {m['fwd_peak_gib']:.2f} | {m['fwd_held_gib']:.2f} | {ratio(row['fwd_vs_fla'])} | "
+                      f"{m['peak_gib']:.1f} | {m['fwd_peak_gib']:.2f} | {m['fwd_held_gib']:.2f} | "
+                      f"{ratio(row['fwd_vs_fla'])} | "
                       f"{ratio(row['fwd_bwd_vs_fla'])} |", flush=True)
             del x
             torch.cuda.empty_cache()

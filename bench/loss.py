@@ -110,7 +110,8 @@ def main() -> None:
             rows.append(row)
             f = lambda v, spec: "" if v is None else format(v, spec)
             print(f"| {D} | {name} | {r['ms']:.1f} | {r['extra_gb']:.2f} | {row['tflops']:.0f} | "
-                  f"{f(row['speed_vs_liger'], '.2f')}x | {f(row['memory_vs_naive'], '.3f')} | {f(row['loss_err'], '.1e')} | "
+                  f"{f(row['speed_vs_liger'], '.2f')}x | {f(row['memory_vs_naive'], '.3f')} | "
+                  f"{f(row['loss_err'], '.1e')} | "
                   f"{f(row['dh_err'], '.1e')} | {f(row['dW_err'], '.1e')} |")
         del h, W, y, res
         torch.cuda.empty_cache()

@@ -93,7 +93,7 @@ def tune(D: int, I: int) -> list[dict]:
     x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16)
     W = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16()
     dy = torch.randn(M, 2 * I, device="cuda", generator=g, dtype=torch.bfloat16)
-    clock = lambda fn: median_ms(fn, reps=10, warmup=3)  # noqa: E731
+    clock = lambda fn: median_ms(fn, reps=10, warmup=3)
     want = {"y": grouped.gmm(x, W, offs), "dx": torch._grouped_mm(dy, W, offs=offs),
             "dW": torch._grouped_mm(dy.T, x, offs=offs)}
     theirs = {"y": clock(lambda: grouped.gmm(x, W, offs)), "dx": clock(lambda: torch._grouped_mm(dy, W, offs=offs)),
@@ -123,6 +123,39 @@ def tune(D: int, I: int) -> list[dict]:
     return tried
 
 
+def measure(N: int, E: int, k: int, D: int, I: int) -> tuple[list[dict], dict]:
+    """One case of N tokens, E experts, top-k: each method's row (printed as it goes), then the
+    permute's times. Its tensors are this call's locals, freed when it returns."""
+    g = torch.Generator(device="cuda").manual_seed(N + E)
+    idx = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, -1)[1].flatten()
+    counts = torch.bincount(idx, minlength=E)
+    M = int(counts.sum())
+    x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
+    W1 = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
+    W2 = (torch.randn(E, D, I, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
+    d1 = (torch.randn(D, 2 * I, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
+    d2 = (torch.randn(I, D, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
+
+    def dense():
+        gate, up = (x @ d1).chunk(2, -1)
+        return swiglu(gate, up) @ d2
+
+    methods = {"per-expert loop": lambda: reference.grouped_mlp(x, counts, W1, W2, swiglu),
+               "torch._grouped_mm": lambda: grouped.grouped_mlp(x, counts, W1, W2, swiglu),
+               "Triton grouped GEMM": lambda: grouped_gemm.grouped_mlp(x, counts, W1, W2, swiglu),
+               "dense GEMMs (ceiling)": dense}
+    ms = {name: timed(fn, [x, W1, W2, d1, d2]) for name, fn in methods.items()}
+    flops = 18 * M * D * I
+    rows = []
+    for name, t in ms.items():
+        row = {"tokens": N, "experts": E, "top_k": k, "method": name, "ms": t, "tflops": flops / t / 1e9,
+               "vs_grouped_mm": ms["torch._grouped_mm"] / t, "vs_dense": ms["dense GEMMs (ceiling)"] / t}
+        rows.append(row)
+        print(f"| {N} | {E} | {k} | {name} | {t:.2f} | {row['tflops']:.0f} | {row['vs_grouped_mm']:.2f}x | "
+              f"{row['vs_dense']:.2f}x |")
+    return rows, move(N, E, k, D, g)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
@@ -145,34 +178,9 @@ def main() -> None:
     print("| tokens | experts | top-k | method | ms | TFLOP/s | vs torch._grouped_mm | vs dense |")
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for N, E, k in [(N, E, k) for N in a.tokens for E in a.experts for k in a.top_k]:
-        g = torch.Generator(device="cuda").manual_seed(N + E)
-        idx = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, -1)[1].flatten()
-        counts = torch.bincount(idx, minlength=E)
-        M = int(counts.sum())
-        x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
-        W1 = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
-        W2 = (torch.randn(E, D, I, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
-        d1 = (torch.randn(D, 2 * I, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
-        d2 = (torch.randn(I, D, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
-
-        def dense():
-            gate, up = (x @ d1).chunk(2, -1)
-            return swiglu(gate, up) @ d2
-
-        methods = {"per-expert loop": lambda: reference.grouped_mlp(x, counts, W1, W2, swiglu),
-                   "torch._grouped_mm": lambda: grouped.grouped_mlp(x, counts, W1, W2, swiglu),
-                   "Triton grouped GEMM": lambda: grouped_gemm.grouped_mlp(x, counts, W1, W2, swiglu),
-                   "dense GEMMs (ceiling)": dense}
-        ms = {name: timed(fn, [x, W1, W2, d1, d2]) for name, fn in methods.items()}
-        flops = 18 * M * D * I
-        for name, t in ms.items():
-            row = {"tokens": N, "experts": E, "top_k": k, "method": name, "ms": t, "tflops": flops / t / 1e9,
-                   "vs_grouped_mm": ms["torch._grouped_mm"] / t, "vs_dense": ms["dense GEMMs (ceiling)"] / t}
-            rows.append(row)
-            print(f"| {N} | {E} | {k} | {name} | {t:.2f} | {row['tflops']:.0f} | {row['vs_grouped_mm']:.2f}x | "
-                  f"{row['vs_dense']:.2f}x |")
-        moves.append(move(N, E, k, D, g))
-        del x, W1, W2, d1, d2
+        case_rows, moved = measure(N, E, k, D, I)
+        rows += case_rows
+        moves.append(moved)
         torch.cuda.empty_cache()
     print("\npermute + unpermute with routing weights, fwd+bwd")
     print("| tokens | experts | top-k | torch ms (index, index_add_) | Triton ms | torch / Triton |")

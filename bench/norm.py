@@ -12,6 +12,7 @@ calls after 5. Baseline: the reference. Writes bench/results/norm.json.
 from __future__ import annotations
 
 import argparse
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,9 +35,9 @@ def main(argv: list[str] | None = None) -> dict:
         x = torch.randn(*shape, device="cuda", generator=g).bfloat16().requires_grad_()
         gate = torch.randn(*shape, device="cuda", generator=g).bfloat16().requires_grad_() if op.startswith("gated") else None
         w = 1 + 0.1 * torch.randn(shape[-1], device="cuda", generator=g)
-        args_of = (lambda: (x, gate, w, 1e-6)) if gate is not None else (lambda: (x, w, 1e-6))
+        call_args = (x, gate, w, 1e-6) if gate is not None else (x, w, 1e-6)
         inputs = [x] if gate is None else [x, gate]
-        y = getattr(reference, op)(*args_of())
+        y = getattr(reference, op)(*call_args)
         dy = torch.randn_like(y)
         n = x.numel()
         fwd_bytes = n * 2 * len(inputs) + n * y.element_size()
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
         base = None
         for name, impl in ((BASELINE, reference), ("Kiln Triton", ours)):
             fn = getattr(impl, op)
-            row = pass_row(lambda: fn(*args_of()), inputs, dy, y, fwd_bytes, both_bytes, base)
+            row = pass_row(partial(fn, *call_args), inputs, dy, y, fwd_bytes, both_bytes, base)
             base = base or row
             rows.append({"op": op, "shape": "x".join(map(str, shape)), "method": name, **row})
     return report(f"RMSNorm, bf16 x, fp32 frozen weight, {torch.cuda.get_device_name()}", rows,

@@ -183,7 +183,7 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
         gc.callbacks.remove(collector)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     with torch.no_grad():
-        for p, s in zip(trainable, saved):
+        for p, s in zip(trainable, saved, strict=True):
             p.copy_(s)
     out = {"step_s": statistics.median(times), "times_s": times, "gc_s": sum(collecting), "peak_gib": peak,
            "kept_device_gib": core.peak["device"] / 2**30 if core else 0.0,
@@ -220,7 +220,7 @@ def profile(model, name: str, ids, device) -> None:
     print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                        row_limit=30, max_name_column_width=48))
     if name != "no recompute":
-        own = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total  # noqa: E731
+        own = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total
         base = {e.key: (own(e), e.count) for e in _profiled(model, "no recompute", ids, device)[1]}
         more = sorted(((own(e) - base.get(e.key, (0, 0))[0], e.count - base.get(e.key, (0, 0))[1], e.key)
                        for e in events), reverse=True)
@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         err = "-" if "grad_rel_err" not in r else "exact" if r["grads_bit_equal"] else f"{r['grad_rel_err']:.1e}"
         print(f"{name:<24} {1e3 * r['step_s']:>9.1f} {base['step_s'] / r['step_s']:>13.3f}x {r['peak_gib']:>9.2f} "
-              f"{r['peak_gib'] / base['peak_gib']:>11.3f}x {r['kept_device_gib']:>8.2f}/{r['kept_host_gib']:<9.2f} {err:>9}")
+              f"{r['peak_gib'] / base['peak_gib']:>11.3f}x {r['kept_device_gib']:>8.2f}/"
+              f"{r['kept_host_gib']:<9.2f} {err:>9}")
     report = {"size": args.size, "tokens": tokens, "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__, "config": json.loads(cfg.to_json()),
               "deterministic": args.deterministic, "base": weights, "baseline": BASELINE, "results": results}

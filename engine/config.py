@@ -11,7 +11,7 @@ The attention layers here are Gated DSA (MLA + lightning indexer, top-2048).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass
@@ -86,7 +86,7 @@ class ModelConfig:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelConfig":
+    def from_json(cls, text: str) -> ModelConfig:
         d = json.loads(text)
         vision = VisionConfig(**d.pop("vision")) if d.get("vision") else None
         d.pop("vision", None)
@@ -94,7 +94,7 @@ class ModelConfig:
                    vision=vision, **d)
 
     @classmethod
-    def debug(cls, vocab_size: int = 263) -> "ModelConfig":
+    def debug(cls, vocab_size: int = 263) -> ModelConfig:
         """Two layers (one KDA, one Gated DSA), every feature on: runs the real loop in seconds."""
         return cls(vocab_size=vocab_size, hidden=64, layers=2, kda=KDAConfig(heads=2, head_dim=16, gate_lower_bound=-5.0),
                    dsa=DSAConfig(heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope=16, qk_rope=8, v_dim=16,
@@ -103,7 +103,7 @@ class ModelConfig:
                    activation="situ", attn_res=True, attn_res_block=2, vision=VisionConfig())
 
     @classmethod
-    def flagship(cls) -> "ModelConfig":
+    def flagship(cls) -> ModelConfig:
         return cls(vocab_size=163840, hidden=7168, layers=93,
                    kda=KDAConfig(heads=96, head_dim=128, gate_lower_bound=-5.0, full_rank_gate=True),
                    dsa=DSAConfig(heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_dim=128,

@@ -95,7 +95,7 @@ class JobSpec:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "JobSpec":
+    def from_json(cls, text: str) -> JobSpec:
         d = json.loads(text)
         d["lora"] = LoraSpec(**d.get("lora", {}))
         d["memory"] = MemorySpec(**d.get("memory", {}))

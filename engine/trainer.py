@@ -131,7 +131,8 @@ class Trainer:
         grad_norm = self.ranks.clip(self.trainable, 1.0)
         if torch.isfinite(grad_norm):
             self.opt.step()
-        else:  # seen on the H200 in bf16: a finite loss, an overflowed backward; one bad step must not poison the weights
+        else:
+            # seen on the H200 in bf16: a finite loss, an overflowed backward; one bad step must not poison the weights
             self.skipped += 1
             self.reporter.message(f"Step {self.step_no + 1}: the gradient is not finite; the update was skipped "
                                   f"({self.skipped} so far)", level="warn",

@@ -3,8 +3,18 @@
     from kiln import Client
 """
 from kiln.client import Client, Page
-from kiln.errors import (APIConnectionError, APIStatusError, AuthenticationError, BadRequestError, ConflictError,
-                         InternalServerError, KilnError, NotFoundError, PayloadTooLargeError, RateLimitError)
+from kiln.errors import (
+                         APIConnectionError,
+                         APIStatusError,
+                         AuthenticationError,
+                         BadRequestError,
+                         ConflictError,
+                         InternalServerError,
+                         KilnError,
+                         NotFoundError,
+                         PayloadTooLargeError,
+                         RateLimitError,
+)
 
 __version__ = "0.1.0"
 __all__ = ["Client", "Page", "KilnError", "APIConnectionError", "APIStatusError", "AuthenticationError",

@@ -7,7 +7,8 @@
     kiln validate train.jsonl [--images images.zip]   (local: no server needed)
 
 Server and key from --base-url/--api-key or KILN_BASE_URL/KILN_API_KEY. ``--json`` prints
-one JSON document per line instead of text (``--watch`` adds a line per event). Exit status: 0 ok, 1 job failed or cancelled, 2 error.
+one JSON document per line instead of text (``--watch`` adds a line per event). Exit status: 0 ok,
+1 job failed or cancelled, 2 error.
 """
 from __future__ import annotations
 

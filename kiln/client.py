@@ -19,9 +19,10 @@ import random
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -36,7 +37,7 @@ RETRY_STATUS = (408, 429)
 class Page(Generic[T]):
     """One page of a list; iterating walks every later page too."""
 
-    def __init__(self, client: "Client", path: str, cls: type[T], params: dict[str, Any]):
+    def __init__(self, client: Client, path: str, cls: type[T], params: dict[str, Any]):
         self._client, self._path, self._cls, self._params = client, path, cls, params
         body = client._json("GET", path, params={k: v for k, v in params.items() if v is not None})
         self.data: list[T] = [cls(**d) for d in body["data"]]
@@ -65,7 +66,7 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -218,10 +219,10 @@ class Jobs:
                                 cursor, failures = ident or cursor, 0
                         elif not line:
                             kind, ident = None, None
-            except (httpx.TransportError, APIConnectionError):
+            except (httpx.TransportError, APIConnectionError) as e:
                 failures += 1
                 if failures > self._c.max_retries:
-                    raise APIConnectionError(f"lost the event stream of {job_id}")
+                    raise APIConnectionError(f"lost the event stream of {job_id}") from e
                 self._c._sleep(failures - 1, None)
 
     def wait(self, job_id: str, *, progress: bool = False, on_event: Callable[[JobEvent], None] | None = None) -> Job:

@@ -19,9 +19,10 @@ import json
 import posixpath
 import re
 import zipfile
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import BinaryIO
 
 IMAGE_TOKEN = "<image>"
 ROLES = ("system", "user", "assistant")
@@ -329,7 +330,9 @@ class DatasetSource:
         if len(names) > 1:
             preferred = [n for n in names if posixpath.basename(n) == "train.jsonl"]
             if len(preferred) != 1:
-                raise DatasetError([Issue(0, "", f"the archive holds several .jsonl files ({', '.join(names[:5])}): keep one or name it train.jsonl")])
+                listed = ", ".join(names[:5])
+                raise DatasetError([Issue(0, "", f"the archive holds several .jsonl files ({listed}): "
+                                                 "keep one or name it train.jsonl")])
             names = preferred
         return names[0]
 

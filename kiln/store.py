@@ -12,9 +12,9 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 
 class TooLarge(Exception):
@@ -26,7 +26,7 @@ class TooLarge(Exception):
 class Upload:
     """A file being received: bytes go to a temp file while being hashed and counted."""
 
-    def __init__(self, store: "LocalStore", limit: int):
+    def __init__(self, store: LocalStore, limit: int):
         self.store, self.limit = store, limit
         fd, name = tempfile.mkstemp(dir=store.tmp, prefix="upload-")
         self.path = Path(name)

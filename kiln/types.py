@@ -2,7 +2,7 @@
 additions are not lost."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -24,9 +24,9 @@ class FileObject(_Obj):
 
 
 class JobError(_Obj):
-    code: Optional[str] = None
-    message: Optional[str] = None
-    param: Optional[str] = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
 
 
 class Job(_Obj):
@@ -35,14 +35,14 @@ class Job(_Obj):
     model: str
     created_at: int
     training_file: str
-    validation_file: Optional[str] = None
-    fine_tuned_model: Optional[str] = None
-    finished_at: Optional[int] = None
-    trained_tokens: Optional[int] = None
+    validation_file: str | None = None
+    fine_tuned_model: str | None = None
+    finished_at: int | None = None
+    trained_tokens: int | None = None
     hyperparameters: dict[str, Any] = {}
-    error: Optional[JobError] = None
-    suffix: Optional[str] = None
-    seed: Optional[int] = None
+    error: JobError | None = None
+    suffix: str | None = None
+    seed: int | None = None
 
     @property
     def done(self) -> bool:
@@ -55,7 +55,7 @@ class JobEvent(_Obj):
     level: str
     message: str
     type: str
-    data: Optional[dict[str, Any]] = None
+    data: dict[str, Any] | None = None
 
 
 class Checkpoint(_Obj):
@@ -78,5 +78,5 @@ class ApiKeyInfo(_Obj):
     name: str
     prefix: str
     created_at: int
-    revoked_at: Optional[int] = None
-    secret: Optional[str] = None  # only in the answer that created the key
+    revoked_at: int | None = None
+    secret: str | None = None  # only in the answer that created the key

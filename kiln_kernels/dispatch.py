@@ -4,8 +4,9 @@ debug), and the hook through which Swap Core keeps a kernel's outputs (``kept``)
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 

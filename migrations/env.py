@@ -1,7 +1,6 @@
 """Alembic environment: the URL comes from Kiln's settings unless the caller set one."""
 from alembic import context
 
-
 from api.db import make_engine
 from api.models import Base
 from api.settings import get_settings

@@ -1,7 +1,7 @@
 """Run by torchrun from tests/unit/test_context_parallel.py (gloo on the CPU): one training step's
-forward and backward of a small Kimi Linear (or hybrid: ``--model hybrid``) model through the trainer's own ``accumulate``,
-with each sequence split over ``--cp`` ranks (context parallel), FSDP2 and expert parallel as
-a real run applies them; or (``--world 1``, no torchrun) the same step in one process.
+forward and backward of a small Kimi Linear (or hybrid: ``--model hybrid``) model through the
+trainer's own ``accumulate``, with each sequence split over ``--cp`` ranks (context parallel),
+FSDP2 and expert parallel as a real run applies them; or (``--world 1``, no torchrun) the same step in one process.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 -m tests.context_worker \\
         --cp 2 --ep 2 --out step.pt [--memory full]

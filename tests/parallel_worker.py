@@ -37,7 +37,7 @@ def build(mode: str, seed: int = 0) -> tuple[HybridForCausalLM, dict]:
         apply_lora(model, LoraSpec(rank=4, target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"],
                                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
         with torch.no_grad():  # B = 0 at init would leave A without a gradient
-            for name, p in model.named_parameters():
+            for p in model.parameters():
                 if p.requires_grad:
                     p.copy_(torch.randn_like(p) * 0.1)
     else:

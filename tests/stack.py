@@ -69,7 +69,7 @@ class Stack:
         return subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
-    def start(self, workers: int = 1) -> "Stack":
+    def start(self, workers: int = 1) -> Stack:
         self.admin("migrate")
         for owner in ("alice", "bob"):
             self.keys[owner] = self.admin("create-key", "--owner", owner, "--name", "test")

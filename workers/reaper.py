@@ -40,7 +40,8 @@ def reap_once() -> list[str]:
             status = s.scalar(select(Job.status).where(Job.id == job_id))
             if status == "running":
                 s.add(JobEvent(job_id=job_id, level="warn",
-                               message="The worker stopped responding; the job is queued again and resumes from its last checkpoint"))
+                               message="The worker stopped responding; the job is queued again and resumes from "
+                                       "its last checkpoint"))
         if queue.enqueue(job_id):
             sent.append(job_id)
         else:

@@ -47,7 +47,8 @@ async def _frames(job_id: str, cursor: int):
             events, status = await run_in_threadpool(_poll, job_id, cursor)
         except Exception:  # the response has started: say so in the stream, then end it cleanly
             log.exception("event stream of %s failed", job_id)
-            yield f"event: error\ndata: {json.dumps({'id': job_id, 'message': 'the event stream failed; reconnect'})}\n\n"
+            failed = {"id": job_id, "message": "the event stream failed; reconnect"}
+            yield f"event: error\ndata: {json.dumps(failed)}\n\n"
             return
         for e in events:
             cursor = e.pk

@@ -17,8 +17,8 @@ from api.errors import ApiError
 from api.models import File
 from api.schemas import file_public, page
 from api.settings import get_settings
-from kiln.store import LocalStore, Upload
 from api.uploads import receive
+from kiln.store import LocalStore, Upload
 
 router = APIRouter()
 PURPOSES = ("fine-tune",)

@@ -3,8 +3,9 @@ its own shards, each labelled with its place in the full tensor (``global_view``
 on any other world size or EP size reads exactly the pieces it needs (DCP reshards on load).
 
 Layout of a checkpoint folder: ``model`` (the trainable parameters, or all of them and
-the persistent buffers under ``buffers`` with ``everything``) and ``optim`` (AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step`` per parameter,
-keyed by parameter name), both under the parameter names of the module tree.
+the persistent buffers under ``buffers`` with ``everything``) and ``optim`` (AdamW's ``exp_avg``,
+``exp_avg_sq`` and ``step`` per parameter, keyed by parameter name), both under the parameter
+names of the module tree.
 """
 from __future__ import annotations
 

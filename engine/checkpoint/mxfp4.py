@@ -43,7 +43,7 @@ def decode_reference(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _check(packed, scale)
     rows_p, rows_s = packed.reshape(-1, packed.shape[-1]).tolist(), scale.reshape(-1, scale.shape[-1]).tolist()
     out = []
-    for row_p, row_s in zip(rows_p, rows_s):
+    for row_p, row_s in zip(rows_p, rows_s, strict=True):
         row = []
         for i, byte in enumerate(row_p):
             for code in (byte & 0x0F, byte >> 4):

@@ -11,11 +11,12 @@ recomputed from the block's inputs in the backward.
   the Triton kernels' forwards) are kept from the forward and handed back during the recompute,
   which then redoes only the cheap ops around them. Two ways in: aten op classes (``mm``, ...)
   through a dispatch mode that sees every op of the block (Python at every op, forward and
-  recompute), and ``kernels`` (KDA, DSA's attention and indexer loss, the full attention's varlen kernels) at the kernel's own call
-  (``kiln_kernels.dispatch.kept``: no cost for other ops). A kernel keeps all its backward saves but
-  its inputs (KDA: o, the final state, A_qk, (I + A_kk)^-1; DSA: o, lse, the target), so its
-  forward never runs twice: most recompute time per byte kept. ``projections`` keeps every LoRA
-  projection's output the same way (``engine.lora.lora_linear``: base product, factors, scaling
+  recompute), and ``kernels`` (KDA, DSA's attention and indexer loss, the full attention's varlen
+  kernels) at the kernel's own call (``kiln_kernels.dispatch.kept``: no cost for other ops). A
+  kernel keeps all its backward saves but its inputs (KDA: o, the final state, A_qk,
+  (I + A_kk)^-1; DSA: o, lse, the target), so its forward never runs twice: most recompute time
+  per byte kept. ``projections`` keeps every LoRA projection's output the same way
+  (``engine.lora.lora_linear``: base product, factors, scaling
   and sum in one Function, whose backward needs only its input and A x; a merged projection's
   base product through ``frozen_linear``), less recompute per byte kept than a kernel's: for the
   host tier, where bytes cost copy bandwidth, not device memory. ``experts`` keeps the grouped
@@ -55,9 +56,10 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn

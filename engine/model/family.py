@@ -10,9 +10,10 @@ family's ``experts``, ``position_limit`` and ``image_tokens`` compute the same f
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 

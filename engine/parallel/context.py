@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from engine.model.common.recompute import recomputing
 from engine.model.common.layers import cu_seqlens, rows_end_to_end
+from engine.model.common.recompute import recomputing
 
 IGNORE = -100
 

@@ -43,7 +43,7 @@ def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
     for b in layers:
         fully_shard(b, mesh=mesh.dp)
     fully_shard(model, mesh=mesh.dp)
-    for a, b in zip(layers, layers[1:]):  # gather the next block while this one computes, both ways: the
+    for a, b in zip(layers, layers[1:], strict=False):  # gather the next block while this one computes, both ways: the
         a.set_modules_to_forward_prefetch([b])  # MoE's all-to-all waits on the host for its counts, which
         b.set_modules_to_backward_prefetch([a])  # would otherwise hold back the next gather
     for m in model.modules():

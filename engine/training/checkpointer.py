@@ -41,7 +41,7 @@ class SingleFile:
             from engine.checkpoint import dcp
 
             dcp.load(folder / "dcp", model, mesh, opt, everything=self.objective.full)
-            for g, lr in zip(opt.param_groups, state["lr"]):
+            for g, lr in zip(opt.param_groups, state["lr"], strict=True):
                 g["lr"] = lr
             rng = folder / f"rng-{mesh.rank if mesh is not None else 0}.pt"
             torch.set_rng_state(torch.load(rng)["rng"] if rng.exists() else state["rng"])

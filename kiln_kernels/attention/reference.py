@@ -26,7 +26,7 @@ def check_offsets(cu_q: torch.Tensor, cu_k: torch.Tensor, T: int, S: int) -> tup
     a, b = cu_q.tolist(), cu_k.tolist()
     if len(a) != len(b) or a[0] != 0 or b[0] != 0 or a[-1] != T or b[-1] != S:
         raise ValueError(f"cu_q must rise from 0 to {T} and cu_k from 0 to {S}, as many each; got {a} and {b}")
-    for n, (q0, q1, k0, k1) in enumerate(zip(a, a[1:], b, b[1:])):
+    for n, (q0, q1, k0, k1) in enumerate(zip(a, a[1:], b, b[1:], strict=False)):
         if q1 < q0 or k1 < k0 or q1 - q0 > k1 - k0:
             raise ValueError(f"document {n}: {q1 - q0} queries and {k1 - k0} keys (needs 0 <= queries <= keys)")
     return a, b
@@ -68,7 +68,7 @@ def per_document(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHE: torch.Tensor, 
     cu_k = cu_q if cu_k is None else cu_k
     a, b = check_offsets(cu_q, cu_k, q_THD.shape[0], k_SHD.shape[0])
     outs = []
-    for q0, q1, k0, k1 in zip(a, a[1:], b, b[1:]):
+    for q0, q1, k0, k1 in zip(a, a[1:], b, b[1:], strict=False):
         if q1 == q0:
             continue
         q, k, v = (x.transpose(0, 1) for x in (q_THD[q0:q1], k_SHD[k0:k1], v_SHE[k0:k1]))  # [H, L, .]

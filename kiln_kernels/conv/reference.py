@@ -27,7 +27,7 @@ def short_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.
         y = F.silu(y[..., : x_BTC.shape[1]].transpose(1, 2))
     else:
         cu = cu_seqlens.tolist()
-        y = torch.cat([short_conv(x_BTC[:, a:b], weight_C1W) for a, b in zip(cu, cu[1:])], 1)
+        y = torch.cat([short_conv(x_BTC[:, a:b], weight_C1W) for a, b in zip(cu, cu[1:], strict=False)], 1)
     if not head_norm:
         return y
     v = y.unflatten(-1, (-1, head_norm)).to(torch.promote_types(y.dtype, torch.float32))

@@ -9,8 +9,9 @@ ds[u] = r (dy - y (y . dy)) (= dy without the norm), dpre[u] = ds[u] silu'(pre[u
 recomputed from x, into a buffer of x's size; ``_dx``, dx[t] = sum_j w[j] dpre[t + (W-1) - j]
 over the outputs u of t's own document and, when the filter trains, each program's partial
 dw[j] = sum_t dpre[t] x[t - (W-1) + j], summed afterwards (no atomics). (One pass recomputing
-pre at each of the W outputs a token feeds read x W x W times: ~10x the memory floor.) Documents (``cu_seqlens``, on the host or the device) become each
-token's document start on the device: no host sync.
+pre at each of the W outputs a token feeds read x W x W times: ~10x the memory floor.) Documents
+(``cu_seqlens``, on the host or the device) become each token's document start on the device: no
+host sync.
 
 Legend: B rows, T tokens, C channels, W the filter's width.
 """

@@ -326,7 +326,7 @@ def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor]) 
         rows = ((b * T + idx_BTK[:, t0:t0 + n, None, :].clamp(min=0).long()) * G + g).reshape(-1)
         bufs = [torch.zeros(B, n, G, NK, w, device=idx_BTK.device) for w in widths]
         launch(t0, n, bufs, True)
-        for out, buf, w in zip(outs, bufs, widths):
+        for out, buf, w in zip(outs, bufs, widths, strict=True):
             out.view(-1, w).index_add_(0, rows, buf.view(-1, w))
 
 

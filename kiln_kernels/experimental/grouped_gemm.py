@@ -15,7 +15,7 @@ Tests: tests/gpu/test_grouped_gemm.py.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton

@@ -48,9 +48,9 @@ def segments(T: int, cu_seqlens: torch.Tensor | None, B: int) -> list[tuple[int,
     if B != 1:
         raise ValueError(f"cu_seqlens needs the sequences packed into a batch of 1, got B={B}")
     cu = cu_seqlens.tolist()
-    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:], strict=False)):
         raise ValueError(f"cu_seqlens must rise from 0 to T={T}, got {cu}")
-    return list(zip(cu, cu[1:]))
+    return list(zip(cu, cu[1:], strict=False))
 
 
 def _start_state(initial_state, n, varlen, shape, dtype, device) -> torch.Tensor:

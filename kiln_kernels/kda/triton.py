@@ -518,7 +518,7 @@ def _chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each chunk's [first row, end), and [N + 1, 2]: each sequence's first chunk and first row
     (then the totals)."""
     spans, seq = [], [(0, 0)]
-    for a, b in zip(cu, cu[1:]):
+    for a, b in zip(cu, cu[1:], strict=False):
         spans += [(s, min(s + C, b)) for s in range(a, b, C)]
         seq.append((len(spans), b))
     return to_device(torch.tensor(spans or [(0, 0)], dtype=torch.int32).flatten(), device), \

@@ -5,7 +5,7 @@ not used, is in ``kiln_kernels/experimental/grouped_gemm.py`` (measured: see ben
 "MoE grouped GEMM at torch's speed")."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -11,7 +11,7 @@ Swap Core can keep them (``cache_ops: experts``) and the recompute then runs no 
 saves the gate/up product, not the activation: the backward recomputes that (elementwise)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

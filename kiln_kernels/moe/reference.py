@@ -10,7 +10,7 @@ Legend: M rows, D width, I expert width, E experts, r LoRA rank.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

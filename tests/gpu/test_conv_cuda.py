@@ -1,8 +1,9 @@
 """KDA's short convolution in Triton against the float64 definition on fresh random inputs: the
 output and the gradients of the input and the filter (trained or frozen), with and without the L2
 norm per group of channels (q's and k's heads), with documents shorter than the filter, several
-rows, odd token, channel and group counts, fp32 and bf16 (ARCHITECTURE.md's tolerances); bf16 autocast as F.conv1d takes it; and the dispatch. On a CPU the small fp32 cases
-run through Triton's interpreter (tests/unit/test_kernels_interpreted.py)."""
+rows, odd token, channel and group counts, fp32 and bf16 (ARCHITECTURE.md's tolerances); bf16
+autocast as F.conv1d takes it; and the dispatch. On a CPU the small fp32 cases run through
+Triton's interpreter (tests/unit/test_kernels_interpreted.py)."""
 from __future__ import annotations
 
 import pytest

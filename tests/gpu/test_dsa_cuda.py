@@ -167,11 +167,11 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, m
         first, second = grads(), grads()
     finally:
         torch.use_deterministic_algorithms(False)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v, iq, ik, iw)]
     o64, p64 = R.sparse_attention(*x64[:3], idx, D ** -0.5, with_weights=True)
     ((o64 * do.double()).sum() + R.indexer_kl_loss(*x64[3:], idx, p64)).backward()
-    for got, x in zip(first, x64):
+    for got, x in zip(first, x64, strict=True):
         assert rel(got, x.grad) < TOL[dtype]
 
 

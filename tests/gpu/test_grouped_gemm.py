@@ -41,7 +41,7 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch)
     from kiln_kernels.experimental.grouped_gemm import gmm
 
     keys = ("TMA", "WS", "FLAT", "STORE")
-    for which, opts in zip(("rows", "weights"), LOADS[loads]):
+    for which, opts in zip(("rows", "weights"), LOADS[loads], strict=True):
         cfg = {key: value for key, value in fast.CONFIG[which].items() if key not in keys}
         monkeypatch.setitem(fast.CONFIG, which, {**cfg, **opts})
     launches = []
@@ -87,7 +87,7 @@ def check_row_tiles(counts: torch.Tensor, BM: int) -> list[int]:
     e, row, n, bounds = _tiles(offs, M, BM)
     assert n == -(-M // BM) + len(counts)
     covered = torch.zeros(M, dtype=torch.int32)
-    for t, (g, r) in enumerate(zip(e.tolist(), row.tolist())):
+    for t, (g, r) in enumerate(zip(e.tolist(), row.tolist(), strict=True)):
         if t >= bounds[2]:
             assert g == -1
             continue
@@ -129,5 +129,5 @@ def test_experts_with_lora_match_the_loop(E, D, I, r):
                                                                    "down_proj": (d[5], d[6])}, 2.0)
     want.backward(dy.double())
     assert y.dtype == torch.bfloat16 and rel(y, want) < 1e-2
-    for i, (p, q) in enumerate(zip(leaves(x, W1, W2, lora), d)):
+    for i, (p, q) in enumerate(zip(leaves(x, W1, W2, lora), d, strict=True)):
         assert rel(p.grad, q.grad) < 1e-2, i

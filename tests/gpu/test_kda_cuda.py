@@ -93,7 +93,7 @@ def test_the_gate_matches_the_reference(lower_bound, bias, trained, dtype):
     from kiln_kernels.kda import gate
 
     g = torch.Generator(device=DEVICE).manual_seed(3)
-    r = lambda *s: torch.randn(*s, device=DEVICE, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=g)
     raw = (r(2, 37, 3, 20) * 8).to(dtype).requires_grad_()
     A = (r(3) * 0.5).requires_grad_(trained)
     b = (r(3, 20) * 0.5).requires_grad_(trained) if bias else None
@@ -140,7 +140,7 @@ def test_dispatch_and_the_model(autocast, monkeypatch):
     monkeypatch.setenv("KILN_KERNELS", "reference")
     references = run(m, x)
     names = ["output", *(n for n, _ in m.named_parameters())]
-    for n, a, r, t in zip(names, kernels, references, truth):
+    for n, a, r, t in zip(names, kernels, references, truth, strict=True):
         err = rel(a, t)
         assert err < max(2 * rel(r, t), 1e-6), (n, err, rel(r, t))
 

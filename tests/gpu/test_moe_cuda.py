@@ -50,7 +50,7 @@ def test_grouped_matches_the_loop(E, D, I, r):
     want = reference.grouped_mlp(d[0], counts, d[1], d[2], situ, d_lora, 2.0)
     want.backward(dy.double())
     assert rel(y, want) < 1e-2
-    for i, (a, b) in enumerate(zip(got, d)):
+    for i, (a, b) in enumerate(zip(got, d, strict=True)):
         assert rel(a, b.grad) < 1e-2, i
 
 
@@ -82,11 +82,11 @@ def test_frozen_experts_are_autograds_composition_bit_for_bit(lora_on):
             y = fn(x, counts, W1, W2, situ, lora, 2.0)
         y.float().backward(dy)
         out.append([y.detach(), *(p.grad for p in trained)])
-    assert all(torch.equal(a, b) for a, b in zip(*out))
+    assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
     d = [t.detach().double().requires_grad_() for t in trained]
     want = reference.grouped_mlp(d[0], counts, W1.double(), W2.double(), situ,
                                  {k: (d[1 + 2 * i], d[2 + 2 * i]) for i, k in enumerate(lora)}, 2.0)
     want.backward(dy.double())
     assert rel(out[0][0], want) < 1e-2
-    for i, (a, b) in enumerate(zip(out[0][1:], d)):
+    for i, (a, b) in enumerate(zip(out[0][1:], d, strict=True)):
         assert rel(a, b.grad) < 1e-2, i

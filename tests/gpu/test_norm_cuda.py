@@ -26,7 +26,7 @@ def test_matches_the_definition(shape, trained, gated, dtype):
     from kiln_kernels.norm import triton as impl
 
     g = torch.Generator(device=DEVICE).manual_seed(sum(shape) + gated)
-    r = lambda *s, sc=1.0: (torch.randn(*s, device=DEVICE, generator=g) * sc)  # noqa: E731
+    r = lambda *s, sc=1.0: (torch.randn(*s, device=DEVICE, generator=g) * sc)
     x = (r(*shape) * 3 + 0.5).to(dtype).requires_grad_()
     gate = (r(*shape) * 2).to(dtype).requires_grad_() if gated else None
     w = (1 + r(shape[-1], sc=0.3)).requires_grad_(trained)  # fp32, as the model keeps it
@@ -63,4 +63,4 @@ def test_dispatch(monkeypatch):
     fast = norm.rms_norm(x, w, 1e-6), norm.gated_rms_norm(x, gate, w, 1e-6)
     monkeypatch.setenv("KILN_KERNELS", "reference")
     slow = norm.rms_norm(x, w, 1e-6), norm.gated_rms_norm(x, gate, w, 1e-6)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fast, slow))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fast, slow, strict=True))

@@ -3,7 +3,6 @@ store's disk full during an upload."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile

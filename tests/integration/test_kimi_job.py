@@ -7,7 +7,6 @@ import json
 import zipfile
 
 import pytest
-
 from safetensors.numpy import load as load_safetensors
 
 from tests.conftest import all_events, finished

@@ -6,7 +6,6 @@ import io
 import json
 import zipfile
 
-import httpx
 import openai
 import pytest
 from safetensors.numpy import load as load_safetensors

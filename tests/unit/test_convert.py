@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.tools.convert import layout, to_bf16
 from engine.checkpoint.mxfp4 import FP4, decode_reference, dequantize, quantize
 from engine.model.kimi_linear.builtin import write_tiny as _kimi_linear_tiny
 from engine.model.registry import load_base
+from engine.tools.convert import layout, to_bf16
 from tests.unit.test_parallel import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]

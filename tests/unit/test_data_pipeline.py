@@ -11,8 +11,7 @@ import torch
 
 from engine.data import Dataset, ImageCache, collate, epoch_batches, split
 from engine.model.tiny import TinyConfig, TinyForCausalLM, init_weights
-from kiln.dataset import DatasetError
-from kiln.dataset import LengthBound
+from kiln.dataset import DatasetError, LengthBound
 from kiln.tokenizer import ByteTokenizer, chat_template
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"

@@ -205,7 +205,7 @@ def test_absorbed_form_equals_per_head_attention_with_lora():
     m._absorbed = lambda: (None, None)  # force the per-head form
     per_head, grads_ph = run()
     assert rel(absorbed, per_head) < 1e-12
-    assert all(rel(a, b) < 1e-10 for a, b in zip(grads, grads_ph))
+    assert all(rel(a, b) < 1e-10 for a, b in zip(grads, grads_ph, strict=True))
     del m._absorbed
     m.kv_b_proj.dropout = torch.nn.Dropout(0.1)
     assert m._absorbed() == (None, None)

@@ -47,7 +47,7 @@ def test_every_gradient_matches():
     g1 = torch.autograd.grad((o1 * w_o).sum() + (s1 * w_s).sum(), list(x.values()))
     o2, s2 = kda_chunk(**x, chunk_size=16)
     g2 = torch.autograd.grad((o2 * w_o).sum() + (s2 * w_s).sum(), list(x.values()))
-    for name, a, b in zip(x, g2, g1):
+    for name, a, b in zip(x, g2, g1, strict=True):
         assert torch.isfinite(a).all() and rel(a, b) < 1e-10, name
 
 
@@ -66,7 +66,7 @@ def test_variable_length_resets_the_state_per_sequence():
     for fn in (kda_recurrent, lambda **a: kda_chunk(**a, chunk_size=16)):
         o, S = fn(**x, initial_state=h0, cu_seqlens=cu)
         assert S.shape == (5, 2, 8, 4) and torch.equal(S[2], h0[2])
-        for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
             alone, s_alone = kda_recurrent(**{k: v[:, a:b] for k, v in x.items()}, initial_state=h0[n:n + 1])
             assert o[:, a:b].shape == alone.shape and (a == b or rel(o[:, a:b], alone) < 1e-12)
             assert rel(S[n:n + 1], s_alone) < 1e-12

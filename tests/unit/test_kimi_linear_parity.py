@@ -89,7 +89,7 @@ def test_our_adapter_loads_in_peft_and_gives_our_logits(saved, tmp_path):
     apply_lora(ours, spec)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for n, p in ours.named_parameters():
+        for p in ours.parameters():
             if p.requires_grad:  # B starts at zero: give every factor a value
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     assert all(p.requires_grad == ("lora" in n) for n, p in ours.named_parameters())
@@ -105,7 +105,7 @@ def test_our_adapter_loads_in_peft_and_gives_our_logits(saved, tmp_path):
     again = load_kimi_linear(folder).eval()
     apply_lora(again, spec)
     load_adapter(again, tmp_path / "adapter")
-    assert all(torch.equal(a, b) for a, b in zip(lora_state(again).values(), lora_state(ours).values()))
+    assert all(torch.equal(a, b) for a, b in zip(lora_state(again).values(), lora_state(ours).values(), strict=True))
 
 
 def test_to_hf_round_trips_and_transformers_reads_it(saved, tmp_path):
@@ -114,7 +114,7 @@ def test_to_hf_round_trips_and_transformers_reads_it(saved, tmp_path):
     ours = load_kimi_linear(folder).eval()
     save_kimi_linear(ours, tmp_path / "again")
     back = load_kimi_linear(tmp_path / "again").eval()
-    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), back.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), back.state_dict().values(), strict=True))
     theirs = transformers.KimiLinearForCausalLM.from_pretrained(tmp_path / "again").eval()
     ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

@@ -152,7 +152,7 @@ def test_full_training_on_two_processes_saves_the_whole_model(tmp_path):
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert not torch.equal(ma.get_buffer(bias), base.get_buffer(bias))  # the routers did rebalance
     assert torch.equal(ma.get_buffer(bias), mb.get_buffer(bias))
-    for (n, p), (_, q) in zip(ma.named_parameters(), mb.named_parameters()):
+    for (n, p), (_, q) in zip(ma.named_parameters(), mb.named_parameters(), strict=True):
         assert rel(q.detach(), p.detach()) < 1e-4, n
 
 

@@ -59,6 +59,7 @@ def test_our_packages_shadow_no_installed_distribution():
     like another distribution's module (``kernels`` is Hugging Face's, which transformers needs)
     hides it from everything imported in the same process."""
     import importlib.metadata
+
     import tomllib
 
     ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["root_packages"]

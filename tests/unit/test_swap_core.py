@@ -15,8 +15,8 @@ from engine.config import ModelConfig
 from engine.lora import LoRALinear, apply_lora, frozen_linear
 from engine.memory import apply_swap_core
 from engine.memory.swap_core import SwapCore, quantize
-from engine.model.hybrid import HybridForCausalLM
 from engine.model.common.moe import Router, situ
+from engine.model.hybrid import HybridForCausalLM
 from engine.spec import LoraSpec, MemorySpec
 from kiln_kernels.moe import grouped
 
@@ -149,7 +149,7 @@ def test_kept_projections_skip_their_products_only(hybrid):
     model(*batch(model.config.vocab_size)[:1])
     full = backward_calls(hybrid, MemorySpec(recompute="full"))
     kept = backward_calls(hybrid, MemorySpec(recompute="selective", cache_ops=["projections"]))
-    matmuls = lambda c: c["mm"] + c["addmm"]  # noqa: E731
+    matmuls = lambda c: c["mm"] + c["addmm"]
     assert len(calls) > 10 and matmuls(full) - matmuls(kept) == 3 * len(calls)
     assert full["mul"] - kept["mul"] == full["add"] - kept["add"] == len(calls)
     assert kept["bmm"] == full["bmm"] > 0 and kept["sigmoid"] == full["sigmoid"] > 0  # the rest is recomputed
@@ -179,7 +179,7 @@ def test_lora_linear_is_autograds_composition_bit_for_bit(autocast, x_dtype, bia
         y.backward(dy.to(y.dtype))
         outs.append((y, xi.grad, A.grad, B.grad))
         A.grad = B.grad = None
-    for want, got in zip(*outs):
+    for want, got in zip(*outs, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want) and want.abs().sum() > 0
 
 
@@ -311,7 +311,7 @@ def test_router_counts_its_load_once(hybrid):
         ids, docs, pos = batch(model.config.vocab_size)
         model(ids, None, docs, pos).sum().backward()  # the backward recomputes the routers
         loads.append([m.load.clone() for m in model.modules() if isinstance(m, Router)])
-    assert loads[0] and all(torch.equal(a, b) for other in loads[1:] for a, b in zip(loads[0], other))
+    assert loads[0] and all(torch.equal(a, b) for other in loads[1:] for a, b in zip(loads[0], other, strict=True))
 
 
 def test_evaluation_keeps_nothing(hybrid):
@@ -396,7 +396,7 @@ def test_a_kept_call_is_kept_whole_not_its_ops_too():
     core = SwapCore(MemorySpec(recompute="selective", cache_ops=["mm", "kernels"]))
     core.wrap(block)
     block(x).sum().backward()
-    assert all(torch.equal(t.grad, w) for t, w in zip((x, *block.parameters()), want))
+    assert all(torch.equal(t.grad, w) for t, w in zip((x, *block.parameters()), want, strict=True))
     assert core.peak["device"] > 0 and core.live["device"] == 0
 
 
@@ -408,7 +408,7 @@ class FrozenExperts(torch.nn.Module):
         super().__init__()
         E, D, I, r = 4, 32, 16, 8
         g = torch.Generator().manual_seed(3)
-        bf = lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16()  # noqa: E731
+        bf = lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16()
         self.W1, self.W2 = bf(E, 2 * I, D), bf(E, D, I)
         shapes = {"gate_up_proj": ((E, r, D), (E, 2 * I, r)), "down_proj": ((E, r, I), (E, D, r))}
         self.factors = torch.nn.ParameterDict({f"{n}_{i}": torch.nn.Parameter(bf(*shape).float())
@@ -443,15 +443,15 @@ def test_kept_experts_run_no_grouped_gemm_again(lora_on):
         vars(block).pop("forward", None)
         return [y.detach(), *(t.grad for t in leaves)], counter.calls, core
 
-    plain = lambda x: grouped.mlp(grouped.gmm, x * 2, block.counts, block.W1, block.W2, situ,  # noqa: E731
+    plain = lambda x: grouped.mlp(grouped.gmm, x * 2, block.counts, block.W1, block.W2, situ,
                                   block.lora, 2.0)  # autograd's composition
     want, _, _ = run(plain)
     got, none, _ = run(block)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert all(t.abs().sum() > 0 for t in want[1:])
     full_got, full, _ = run(block, MemorySpec(recompute="full"))
     kept_got, kept, core = run(block, MemorySpec(recompute="selective", cache_ops=["experts"]))
-    assert all(torch.equal(a, b) for g in (full_got, kept_got) for a, b in zip(g, want))
+    assert all(torch.equal(a, b) for g in (full_got, kept_got) for a, b in zip(g, want, strict=True))
     forward_gemms = 2 + 2 * len(lora_on)  # the two base products, two more for each LoRA
     assert full["_grouped_mm"] - forward_gemms == kept["_grouped_mm"] == none["_grouped_mm"]
     assert full["tanh"] > kept["tanh"] == none["tanh"] > 0  # the activation: in the backward only

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from kiln.dataset import parse_line
-from kiln.tokenizer import (ByteTokenizer, HFTokenizer, TiktokenTokenizer, chat_template, encode_chat,
-                            load_tokenizer)
+from kiln.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer, chat_template, encode_chat, load_tokenizer
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<image>\nHow many?"},
@@ -26,7 +25,7 @@ def example(obj=CHAT):
 def targets(tok, tpl, ex, image_tokens=4):
     ids, target = encode_chat(tok, tpl, ex, image_tokens)
     assert len(ids) == len(target)
-    return ids, [i for i, t in zip(ids, target) if t]
+    return ids, [i for i, t in zip(ids, target, strict=True) if t]
 
 
 def test_byte_tokenizer_learns_only_weighted_assistant_turns():
@@ -83,7 +82,7 @@ def test_deepseek_tokenizer_json_loads():
 def test_tiktoken_model_file_with_kimi_chat_tokens(trained_bpe, tmp_path):
     """A Kimi-style folder: tiktoken.model (base64 token, rank) + tokenizer_config.json specials."""
     vocab = json.loads((trained_bpe / "tokenizer.json").read_text())["model"]["vocab"]
-    byte_of = {c: b for b, c in zip(range(256), _byte_chars())}
+    byte_of = {c: b for b, c in zip(range(256), _byte_chars(), strict=True)}
     ranks = sorted(((bytes(byte_of[c] for c in tok), r) for tok, r in vocab.items()), key=lambda x: x[1])
     seen, lines = set(), []
     for b, _ in ranks:

@@ -18,7 +18,6 @@ Legend: B batch, T tokens, D hidden, H heads, J index heads.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.common.layers import RMSNorm, autocast_input, doc_starts

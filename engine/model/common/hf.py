@@ -7,8 +7,8 @@ materialised. Per-expert tensors on disk (``names.EXPERT_KEY``) are stacked into
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open

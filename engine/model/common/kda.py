@@ -66,7 +66,7 @@ class KimiDeltaAttention(nn.Module):
         filters = self.conv1d.weight.split(self.H * self.K)
         halo = self.conv1d.weight.shape[-1] - 1
         qkv = []
-        for name, proj, w, norm in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0)):
+        for name, proj, w, norm in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0), strict=True):
             y = proj(x_BTD)
             if cp is None:
                 y = short_conv(y, w, cu_seqlens, norm)

@@ -4,8 +4,8 @@ The technique that recomputes (``engine.memory``'s Swap Core) raises the flag ar
 recompute, so that model code imports no technique."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 _depth = 0
 

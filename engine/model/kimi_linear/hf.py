@@ -29,10 +29,10 @@ def to_hf(model: KimiLinearForCausalLM) -> dict[str, torch.Tensor]:
         if m := re.match(r"^(.*)\.experts\.(gate_up_proj|down_proj)$", disk):
             parts = names.EXPERT_PARTS[m.group(2)][0]  # Kimi's
             for e in range(t.shape[0]):
-                for part, rows in zip(parts, t[e].chunk(len(parts))):
+                for part, rows in zip(parts, t[e].chunk(len(parts)), strict=True):
                     out[f"{m.group(1)}.experts.{e}.{part}.weight"] = rows.clone()
         elif m := re.match(r"^(.*\.self_attn)\.conv1d\.weight$", disk):
-            for part, chunk in zip(names.CONV_PARTS, t.chunk(len(names.CONV_PARTS))):
+            for part, chunk in zip(names.CONV_PARTS, t.chunk(len(names.CONV_PARTS)), strict=True):
                 out[f"{m.group(1)}.{part}_conv1d.weight"] = chunk.clone()
         else:
             out[disk] = t
@@ -42,6 +42,7 @@ def to_hf(model: KimiLinearForCausalLM) -> dict[str, torch.Tensor]:
 def save_kimi_linear(model: KimiLinearForCausalLM, folder: Path) -> None:
     """config.json (model_type kimi_linear) and model.safetensors in Kimi's layout."""
     from dataclasses import asdict
+
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)

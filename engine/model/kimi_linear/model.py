@@ -51,7 +51,7 @@ class KimiLinearConfig:
     eos_token_id: int | list[int] | None = None
 
     @classmethod
-    def from_hf(cls, d: dict) -> "KimiLinearConfig":
+    def from_hf(cls, d: dict) -> KimiLinearConfig:
         """From a kimi_linear config.json (both the transformers names and Kimi's own)."""
         alias = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
                  "n_shared_experts": "num_shared_experts", "n_group": "num_expert_group",

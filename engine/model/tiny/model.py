@@ -16,8 +16,8 @@ from torch import nn
 
 from engine.model.common.layers import CausalLM, RMSNorm, autocast_input, row_documents
 from engine.model.common.vision import VisionTower
-from kiln_kernels.attention import varlen_attention
 from kiln.tokenizer import ByteTokenizer
+from kiln_kernels.attention import varlen_attention
 
 
 @dataclass
