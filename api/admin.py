@@ -1,4 +1,5 @@
 """Operator commands: ``kiln-admin migrate | create-key | revoke-key | list-keys``."""
+
 from __future__ import annotations
 
 import argparse

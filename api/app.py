@@ -1,4 +1,5 @@
 """The FastAPI application factory: ``uvicorn --factory api.app:create_app``."""
+
 from __future__ import annotations
 
 import logging
@@ -14,8 +15,9 @@ from api.routes import adapters, events, files, jobs, keys, models
 
 def create_app() -> FastAPI:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = FastAPI(title="Kiln", version="0.1.0",
-                  description="LoRA fine-tuning for Kimi-family models, OpenAI-compatible.")
+    app = FastAPI(
+        title="Kiln", version="0.1.0", description="LoRA fine-tuning for Kimi-family models, OpenAI-compatible."
+    )
     errors.install(app)
     for r in (files.router, jobs.router, events.router, adapters.router, models.router, keys.router):
         app.include_router(r)

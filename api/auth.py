@@ -1,5 +1,6 @@
 """Bearer API keys. Only the SHA-256 of a key is stored: keys are 192-bit random secrets, so a
 fast hash is enough and lookups stay one indexed query."""
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,9 @@ def current_owner(request: Request, session: Session = Depends(get_session)) -> 
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'", code="missing_api_key")
-    found = session.execute(select(ApiKey.id, ApiKey.owner, ApiKey.revoked_at)
-                            .where(ApiKey.key_hash == hash_key(token.strip()))).first()
+    found = session.execute(
+        select(ApiKey.id, ApiKey.owner, ApiKey.revoked_at).where(ApiKey.key_hash == hash_key(token.strip()))
+    ).first()
     session.rollback()  # end the read: the connection goes back to the pool before the route's thread hop
     if found is None or found.revoked_at is not None:
         raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")

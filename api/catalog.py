@@ -4,6 +4,7 @@
 ``kiln-tiny`` is the built-in model (the engine creates its weights from a fixed seed on first
 use), small enough to fine-tune on a CPU in a minute.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

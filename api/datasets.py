@@ -3,6 +3,7 @@
 The line format lives in ``kiln.dataset`` (shared with the engine's reader); here the archive is
 checked for unsafe members and every referenced image is opened with Pillow.
 """
+
 from __future__ import annotations
 
 import io
@@ -39,22 +40,38 @@ def check_archive(path: Path, settings: Settings) -> None:
     with zf:
         infos = zf.infolist()
         if len(infos) > settings.max_archive_members:
-            raise ApiError(400, f"Archive has {len(infos)} members, over the limit of {settings.max_archive_members}",
-                           param="file", code="invalid_archive")
+            raise ApiError(
+                400,
+                f"Archive has {len(infos)} members, over the limit of {settings.max_archive_members}",
+                param="file",
+                code="invalid_archive",
+            )
         total = 0
         for info in infos:
             name = info.filename
             norm = posixpath.normpath(name.replace("\\", "/"))
-            if name.startswith(("/", "\\")) or norm == ".." or norm.startswith("../") or (len(name) > 1 and name[1] == ":"):
-                raise ApiError(400, f"Archive member {name!r} escapes the archive root", param="file", code="invalid_archive")
+            if (
+                name.startswith(("/", "\\"))
+                or norm == ".."
+                or norm.startswith("../")
+                or (len(name) > 1 and name[1] == ":")
+            ):
+                raise ApiError(
+                    400, f"Archive member {name!r} escapes the archive root", param="file", code="invalid_archive"
+                )
             total += info.file_size
         if total > settings.max_archive_unpacked_bytes:
-            raise ApiError(400, f"Archive unpacks to {total} bytes, over the limit of {settings.max_archive_unpacked_bytes}",
-                           param="file", code="invalid_archive")
+            raise ApiError(
+                400,
+                f"Archive unpacks to {total} bytes, over the limit of {settings.max_archive_unpacked_bytes}",
+                param="file",
+                code="invalid_archive",
+            )
 
 
-def check_dataset(source: DatasetSource, settings: Settings, check_paths: bool,
-                  tokenize=None, length: LengthBound | None = None) -> Report:
+def check_dataset(
+    source: DatasetSource, settings: Settings, check_paths: bool, tokenize=None, length: LengthBound | None = None
+) -> Report:
     """Validate every line; with ``check_paths`` every image must exist and decode; with
     ``tokenize`` (see kiln.dataset.validate) count tokens and flag examples over ``length``."""
 
@@ -65,8 +82,9 @@ def check_dataset(source: DatasetSource, settings: Settings, check_paths: bool,
             return source.missing_image_message(ref)
         return image_problem(source.read_image(ref), settings.max_image_pixels)
 
-    return validate(source.lines(settings.max_line_bytes), check_image, settings.max_line_bytes,
-                    tokenize=tokenize, length=length)
+    return validate(
+        source.lines(settings.max_line_bytes), check_image, settings.max_line_bytes, tokenize=tokenize, length=length
+    )
 
 
 def open_source(data: Path, images: Path | None, param: str) -> DatasetSource:
@@ -83,8 +101,13 @@ def raise_if_bad(report: Report, param: str, what: str) -> None:
     more = len(report.issues) - 10
     tail = f" (and {more}{'+' if report.truncated else ''} more)" if more > 0 or report.truncated else ""
     issues = [{"line": i.line, "field": i.field, "message": i.message} for i in report.issues]
-    raise ApiError(400, f"Invalid {what}: {shown}{tail}", param=param, code=f"invalid_{param}",
-                   extra={"issues": issues, "issues_truncated": report.truncated})
+    raise ApiError(
+        400,
+        f"Invalid {what}: {shown}{tail}",
+        param=param,
+        code=f"invalid_{param}",
+        extra={"issues": issues, "issues_truncated": report.truncated},
+    )
 
 
 __all__ = ["check_archive", "check_dataset", "open_source", "raise_if_bad", "Issue"]

@@ -1,4 +1,5 @@
 """Engine and session factory. One place decides pragmas and pool settings per backend."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

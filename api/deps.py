@@ -1,4 +1,5 @@
 """Request-scoped dependencies: the database session and the store."""
+
 from __future__ import annotations
 
 from collections.abc import AsyncIterator

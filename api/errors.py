@@ -3,6 +3,7 @@
 FastAPI's own 422 body is rewritten into this shape too. Client errors other than 408 and 429 carry
 ``x-should-retry: false`` so the OpenAI SDK does not retry what cannot succeed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,14 +15,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("kiln.api")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-          415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 extra: dict | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        extra: dict | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.extra = extra or {}  # more fields inside "error", e.g. a dataset's "issues"
@@ -32,8 +48,14 @@ def not_found(kind: str, id: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"No {kind} found with id {id!r}", param=param, code=f"{kind.replace(' ', '_')}_not_found")
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None, extra: dict | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict | None = None,
+    extra: dict | None = None,
+) -> JSONResponse:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code, **(extra or {})}}
     headers = dict(headers or {})
@@ -48,8 +70,11 @@ _UNION_TAGS = {"int", "float", "str", "bool", "list", "dict", "none"}
 def _field(loc: tuple) -> str:
     """``("body", "lora", "target_modules", 0)`` -> ``lora.target_modules[0]``; union branch tags
     that pydantic adds (``literal['auto']``, ``int``) are dropped."""
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")
-             and not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
+    parts = [
+        str(p)
+        for p in loc
+        if p not in ("body", "query", "path", "header") and not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))
+    ]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)

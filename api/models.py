@@ -3,6 +3,7 @@
 Every table has an integer ``pk`` (insertion order, used for cursors) and, where the API shows
 it, a public string ``id`` with the OpenAI prefix. Times are Unix seconds.
 """
+
 from __future__ import annotations
 
 import secrets

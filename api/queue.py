@@ -5,6 +5,7 @@ raised far above any job; a worker that dies is noticed through the job's lease 
 workers.reaper). ``acks_late`` keeps the message until the job ends; prefetch 1 keeps a busy
 worker from holding messages another worker could run.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,5 +54,3 @@ def enqueue(job_id: str) -> bool:
     except Exception:
         log.exception("could not enqueue %s", job_id)
         return False
-
-

@@ -3,6 +3,7 @@
 Held in the API process: with several API processes each enforces its own share. A refused
 request gets 429 with ``Retry-After`` (retryable: the SDKs back off and try again).
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,7 +28,11 @@ class RateLimiter:
             if tokens < 1:
                 self._buckets[key] = (tokens, now)
                 wait = (1 - tokens) / self.rate
-                raise ApiError(429, f"Rate limit reached for this API key: {self.rate * 60:g} requests per minute "
-                               f"(bursts of {self.burst}); retry in {wait:.1f}s", code="rate_limit_exceeded",
-                               headers={"retry-after": f"{max(1, round(wait))}"})
+                raise ApiError(
+                    429,
+                    f"Rate limit reached for this API key: {self.rate * 60:g} requests per minute "
+                    f"(bursts of {self.burst}); retry in {wait:.1f}s",
+                    code="rate_limit_exceeded",
+                    headers={"retry-after": f"{max(1, round(wait))}"},
+                )
             self._buckets[key] = (tokens - 1, now)

@@ -1,4 +1,5 @@
 """Request bodies (validated) and the public JSON shape of each object (OpenAI's fields)."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -24,21 +25,27 @@ Text = Annotated[str, AfterValidator(_storable)]
 class MemorySettings(BaseModel):
     """Swap Core: what the backward recomputes and where kept activations live (the engine's
     MemorySpec; README's "Memory" section)."""
+
     model_config = ConfigDict(extra="forbid")
     recompute: Literal["none", "full", "selective"] = "none"
     cache_ops: list[Literal["mm", "bmm", "grouped_mm", "attention", "kernels", "projections", "experts"]] = Field(
-        ["kernels"], max_length=7)
+        ["kernels"], max_length=7
+    )
     tier: Literal["device", "host", "auto"] = "device"
     quantize: Literal["none", "fp8", "int8"] = "none"
-    device_budget_mb: Annotated[float, Field(ge=0)] | None = Field(None, description="tier auto: device memory the cache may hold")
-    blocks: list[Literal["attention", "mlp"]] = Field(["attention", "mlp"], min_length=1, max_length=2,
-                                                       description="the sublayers recomputed")
+    device_budget_mb: Annotated[float, Field(ge=0)] | None = Field(
+        None, description="tier auto: device memory the cache may hold"
+    )
+    blocks: list[Literal["attention", "mlp"]] = Field(
+        ["attention", "mlp"], min_length=1, max_length=2, description="the sublayers recomputed"
+    )
 
 
 class ParallelSettings(BaseModel):
     """Processes for the job on one worker node (one per GPU; gloo on a CPU worker), how many
     ways the experts are split and how many ranks share one sequence (context parallel) (the
     engine's ParallelSpec; README's "Multi-GPU" section)."""
+
     model_config = ConfigDict(extra="forbid")
     nproc: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
     ep_size: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
@@ -63,10 +70,13 @@ class Hyperparameters(BaseModel):
     max_seq_len: Annotated[int, Field(strict=True, ge=16, le=1 << 20)] | None = None
     warmup_ratio: Annotated[float, Field(ge=0, le=0.5)] | None = None
     gradient_accumulation_steps: Annotated[int, Field(strict=True, ge=1, le=256)] | None = None
-    packing: Annotated[bool, Field(strict=True)] | None = Field(None, description="pack short examples into full rows (default on)")
+    packing: Annotated[bool, Field(strict=True)] | None = Field(
+        None, description="pack short examples into full rows (default on)"
+    )
     group_by_length: Annotated[bool, Field(strict=True)] | None = None
     validation_split: Annotated[float, Field(ge=0, le=0.5)] | None = Field(
-        None, description="fraction of the training file held out for validation when no validation_file is given")
+        None, description="fraction of the training file held out for validation when no validation_file is given"
+    )
     memory: MemorySettings | None = Field(None, description="activation recompute and caching (Swap Core)")
     parallel: ParallelSettings | None = Field(None, description="processes (GPUs) and expert-parallel size")
 
@@ -77,7 +87,9 @@ class LoraSettings(BaseModel):
     alpha: Annotated[float, Field(gt=0, le=4096)] = 16.0
     dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
     target_modules: list[str] | None = Field(None, min_length=1)
-    target_parameters: list[str] | None = Field(None, description="grouped expert weights, e.g. mlp.experts.gate_up_proj")
+    target_parameters: list[str] | None = Field(
+        None, description="grouped expert weights, e.g. mlp.experts.gate_up_proj"
+    )
 
 
 class Supervised(BaseModel):
@@ -112,40 +124,83 @@ class JobCreate(BaseModel):
 
 
 def file_public(f: File) -> dict[str, Any]:
-    return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": f.created_at,
-            "filename": f.filename, "purpose": f.purpose, "status": f.status,
-            "status_details": f.status_details, "expires_at": None, "stats": f.stats}
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.bytes,
+        "created_at": f.created_at,
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": f.status,
+        "status_details": f.status_details,
+        "expires_at": None,
+        "stats": f.stats,
+    }
 
 
 def job_public(j: Job) -> dict[str, Any]:
     hp = {k: j.hyperparameters.get(k, "auto") for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
     extras = {k: v for k, v in j.hyperparameters.items() if k not in hp}
     return {
-        "id": j.id, "object": "fine_tuning.job", "created_at": j.created_at, "error": j.error,
-        "fine_tuned_model": j.fine_tuned_model, "finished_at": j.finished_at,
-        "hyperparameters": hp, "model": j.model, "organization_id": j.owner, "result_files": [],
-        "seed": j.seed, "status": j.status, "trained_tokens": j.trained_tokens,
-        "training_file": j.training_file, "validation_file": j.validation_file,
-        "estimated_finish": None, "integrations": [], "metadata": j.meta, "suffix": j.suffix,
+        "id": j.id,
+        "object": "fine_tuning.job",
+        "created_at": j.created_at,
+        "error": j.error,
+        "fine_tuned_model": j.fine_tuned_model,
+        "finished_at": j.finished_at,
+        "hyperparameters": hp,
+        "model": j.model,
+        "organization_id": j.owner,
+        "result_files": [],
+        "seed": j.seed,
+        "status": j.status,
+        "trained_tokens": j.trained_tokens,
+        "training_file": j.training_file,
+        "validation_file": j.validation_file,
+        "estimated_finish": None,
+        "integrations": [],
+        "metadata": j.meta,
+        "suffix": j.suffix,
         "method": {"type": "supervised", "supervised": {"hyperparameters": {**hp, **extras}}},
         # Kiln extras
-        "images_file": j.images_file, "lora": j.lora, "started_at": j.started_at,
-        "cancel_requested": j.cancel_requested, "attempt": j.attempt,
+        "images_file": j.images_file,
+        "lora": j.lora,
+        "started_at": j.started_at,
+        "cancel_requested": j.cancel_requested,
+        "attempt": j.attempt,
     }
 
 
 def event_public(e: JobEvent) -> dict[str, Any]:
-    return {"id": e.id, "object": "fine_tuning.job.event", "created_at": e.created_at,
-            "level": e.level, "message": e.message, "data": e.data, "type": e.type}
+    return {
+        "id": e.id,
+        "object": "fine_tuning.job.event",
+        "created_at": e.created_at,
+        "level": e.level,
+        "message": e.message,
+        "data": e.data,
+        "type": e.type,
+    }
 
 
 def checkpoint_public(c: Checkpoint, job: Job) -> dict[str, Any]:
     base = job.fine_tuned_model or f"ft:{job.model}:{job.owner}::{job.id}"
-    return {"id": c.id, "object": "fine_tuning.job.checkpoint", "created_at": c.created_at,
-            "fine_tuned_model_checkpoint": f"{base}:ckpt-step-{c.step}",
-            "fine_tuning_job_id": job.id, "metrics": {"step": c.step, **c.metrics}, "step_number": c.step}
+    return {
+        "id": c.id,
+        "object": "fine_tuning.job.checkpoint",
+        "created_at": c.created_at,
+        "fine_tuned_model_checkpoint": f"{base}:ckpt-step-{c.step}",
+        "fine_tuning_job_id": job.id,
+        "metrics": {"step": c.step, **c.metrics},
+        "step_number": c.step,
+    }
 
 
 def page(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {"object": "list", "data": items, "has_more": has_more,
-            "first_id": items[0]["id"] if items else None, "last_id": items[-1]["id"] if items else None}
+    return {
+        "object": "list",
+        "data": items,
+        "has_more": has_more,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+    }

@@ -1,4 +1,5 @@
 """Queries and state changes behind the routes. Routes stay thin; this is where rules live."""
+
 from __future__ import annotations
 
 import secrets
@@ -38,8 +39,11 @@ def replay(session: Session, owner: str, key: str | None, endpoint: str) -> JSON
     """The stored answer to an earlier request with this Idempotency-Key, if there was one."""
     if not key:
         return None
-    found = session.execute(select(IdempotencyRecord.status_code, IdempotencyRecord.body).where(
-        IdempotencyRecord.owner == owner, IdempotencyRecord.key == key, IdempotencyRecord.endpoint == endpoint)).first()
+    found = session.execute(
+        select(IdempotencyRecord.status_code, IdempotencyRecord.body).where(
+            IdempotencyRecord.owner == owner, IdempotencyRecord.key == key, IdempotencyRecord.endpoint == endpoint
+        )
+    ).first()
     session.rollback()  # hold no connection while an upload streams in
     return JSONResponse(found.body, status_code=found.status_code) if found else None
 
@@ -62,17 +66,23 @@ def delete_file(session: Session, store: LocalStore, owner: str, file_id: str) -
     f.deleted_at = now()
     session.flush()
     shared = session.scalar(select(File.pk).where(File.sha256 == f.sha256, File.deleted_at.is_(None)).limit(1))
-    in_use = session.scalar(select(Job.pk).where(
-        Job.status.not_in(TERMINAL_STATES),
-        (Job.training_file == f.id) | (Job.validation_file == f.id) | (Job.images_file == f.id)).limit(1))
+    in_use = session.scalar(
+        select(Job.pk)
+        .where(
+            Job.status.not_in(TERMINAL_STATES),
+            (Job.training_file == f.id) | (Job.validation_file == f.id) | (Job.images_file == f.id),
+        )
+        .limit(1)
+    )
     session.commit()
     if shared is None and in_use is None:
         store.delete_object(f.sha256)
 
 
 # ---- jobs ------------------------------------------------------------------------------------
-def add_event(session: Session, job_id: str, message: str, level: str = "info",
-              type: str = "message", data: dict | None = None) -> JobEvent:
+def add_event(
+    session: Session, job_id: str, message: str, level: str = "info", type: str = "message", data: dict | None = None
+) -> JobEvent:
     ev = JobEvent(job_id=job_id, message=message, level=level, type=type, data=data)
     session.add(ev)
     return ev
@@ -97,14 +107,26 @@ def _dataset_file(session: Session, owner: str, file_id: str | None, param: str,
     return f
 
 
-def dataset_report(store: LocalStore, settings: Settings, f: File, images: File | None, model: str,
-                   length: LengthBound, param: str = "file") -> Report:
+def dataset_report(
+    store: LocalStore,
+    settings: Settings,
+    f: File,
+    images: File | None,
+    model: str,
+    length: LengthBound,
+    param: str = "file",
+) -> Report:
     """One pass over a dataset: every line checked, every image opened, tokens counted with the
     model's tokenizer, examples over ``length`` flagged with what would fit."""
     source = open_source(store.object_path(f.sha256), store.object_path(images.sha256) if images else None, param)
     try:
-        return check_dataset(source, settings, check_paths=True,
-                             tokenize=catalog.token_counter(model, store.root / "models"), length=length)
+        return check_dataset(
+            source,
+            settings,
+            check_paths=True,
+            tokenize=catalog.token_counter(model, store.root / "models"),
+            length=length,
+        )
     finally:
         source.close()
 
@@ -112,18 +134,32 @@ def dataset_report(store: LocalStore, settings: Settings, f: File, images: File 
 def report_public(report: Report, f: File, model: str, length: LengthBound, n_epochs: int) -> dict[str, Any]:
     stats = report.stats()
     training = (stats.get("tokens") or 0) * n_epochs
-    return {"object": "dataset.report", "file_id": f.id, "model": model, "ok": report.ok,
-            "issues": [{"line": i.line, "field": i.field, "message": i.message} for i in report.issues],
-            "issues_truncated": report.truncated, "max_seq_len": length.bound,
-            "position_limit": length.limit, "stats": stats,
-            "estimate": {"n_epochs": n_epochs, "training_tokens": training,
-                         "seconds": round(training / catalog.BASE_MODELS[model]["tokens_per_second"], 1)}}
+    return {
+        "object": "dataset.report",
+        "file_id": f.id,
+        "model": model,
+        "ok": report.ok,
+        "issues": [{"line": i.line, "field": i.field, "message": i.message} for i in report.issues],
+        "issues_truncated": report.truncated,
+        "max_seq_len": length.bound,
+        "position_limit": length.limit,
+        "stats": stats,
+        "estimate": {
+            "n_epochs": n_epochs,
+            "training_tokens": training,
+            "seconds": round(training / catalog.BASE_MODELS[model]["tokens_per_second"], 1),
+        },
+    }
 
 
 def create_job(session: Session, store: LocalStore, settings: Settings, owner: str, req: JobCreate) -> Job:
     if req.model not in catalog.BASE_MODELS:
-        raise ApiError(400, f"Model {req.model!r} is not available for fine-tuning; available: "
-                       f"{', '.join(catalog.BASE_MODELS)}", param="model", code="model_not_available")
+        raise ApiError(
+            400,
+            f"Model {req.model!r} is not available for fine-tuning; available: {', '.join(catalog.BASE_MODELS)}",
+            param="model",
+            code="model_not_available",
+        )
     if req.integrations:
         raise ApiError(400, "Integrations are not supported", param="integrations")
     hp = req.resolved_hyperparameters().model_dump(exclude_none=True)
@@ -134,17 +170,27 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
     for field, allowed in (("target_modules", info["targets"]), ("target_parameters", info["parameters"])):
         unknown = [t for t in lora[field] if t not in allowed]
         if unknown:
-            raise ApiError(400, f"lora.{field}: unknown name(s) {', '.join(unknown)} for {req.model}; "
-                           f"choose from {', '.join(allowed) or 'none'}", param=f"lora.{field}")
+            raise ApiError(
+                400,
+                f"lora.{field}: unknown name(s) {', '.join(unknown)} for {req.model}; "
+                f"choose from {', '.join(allowed) or 'none'}",
+                param=f"lora.{field}",
+            )
     ep = hp.get("parallel", {}).get("ep_size", 1)
     if ep > 1 and (not info["experts"] or info["experts"] % ep):
-        raise ApiError(400, f"hyperparameters.parallel.ep_size: {ep} does not divide the {info['experts']} experts "
-                       f"of {req.model}" + ("" if info["experts"] else " (it has none: use 1)"),
-                       param="hyperparameters.parallel.ep_size")
+        raise ApiError(
+            400,
+            f"hyperparameters.parallel.ep_size: {ep} does not divide the {info['experts']} experts "
+            f"of {req.model}" + ("" if info["experts"] else " (it has none: use 1)"),
+            param="hyperparameters.parallel.ep_size",
+        )
     if hp.get("parallel", {}).get("cp_size", 1) > 1 and not info.get("context_parallel"):
-        raise ApiError(400, f"hyperparameters.parallel.cp_size: {req.model} has no context-parallel form yet; use 1 "
-                       f"(models with one: {', '.join(m for m, i in catalog.BASE_MODELS.items() if i.get('context_parallel'))})",
-                       param="hyperparameters.parallel.cp_size")
+        raise ApiError(
+            400,
+            f"hyperparameters.parallel.cp_size: {req.model} has no context-parallel form yet; use 1 "
+            f"(models with one: {', '.join(m for m, i in catalog.BASE_MODELS.items() if i.get('context_parallel'))})",
+            param="hyperparameters.parallel.cp_size",
+        )
     train = _dataset_file(session, owner, req.training_file, "training_file", ("jsonl", "zip"))
     valid = _dataset_file(session, owner, req.validation_file, "validation_file", ("jsonl", "zip"))
     images = _dataset_file(session, owner, req.images_file, "images_file", ("zip",))
@@ -154,10 +200,19 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
             report = dataset_report(store, settings, f, images, req.model, length, param)
             raise_if_bad(report, param, f"{param} {f.id}")
 
-    job = Job(owner=owner, model=req.model, training_file=train.id, validation_file=valid.id if valid else None,
-              images_file=images.id if images else None, hyperparameters=hp, lora=lora, suffix=req.suffix,
-              seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
-              meta=req.metadata, status="validating_files")
+    job = Job(
+        owner=owner,
+        model=req.model,
+        training_file=train.id,
+        validation_file=valid.id if valid else None,
+        images_file=images.id if images else None,
+        hyperparameters=hp,
+        lora=lora,
+        suffix=req.suffix,
+        seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
+        meta=req.metadata,
+        status="validating_files",
+    )
     session.add(job)
     session.flush()
     add_event(session, job.id, f"Validating training file: {train.id}")
@@ -180,8 +235,11 @@ def cancel_job(session: Session, owner: str, job_id: str) -> Job:
     if job.status in TERMINAL_STATES:
         raise ApiError(409, f"Job {job_id} has already {job.status}", code="job_finished")
     if job.status in ("validating_files", "queued"):
-        res = session.execute(update(Job).where(Job.id == job.id, Job.status.in_(("validating_files", "queued")))
-                              .values(status="cancelled", finished_at=now(), cancel_requested=True))
+        res = session.execute(
+            update(Job)
+            .where(Job.id == job.id, Job.status.in_(("validating_files", "queued")))
+            .values(status="cancelled", finished_at=now(), cancel_requested=True)
+        )
         if res.rowcount:
             add_event(session, job.id, "Job cancelled before it started")
     if not job.cancel_requested:
@@ -197,8 +255,11 @@ def list_events(session: Session, job: Job, after: str | None, limit: int):
 
 
 def events_since(session: Session, job_id: str, pk: int, limit: int = 500) -> list[JobEvent]:
-    return list(session.scalars(select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.pk > pk)
-                                .order_by(JobEvent.pk).limit(limit)))
+    return list(
+        session.scalars(
+            select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.pk > pk).order_by(JobEvent.pk).limit(limit)
+        )
+    )
 
 
 def list_checkpoints(session: Session, job: Job, after: str | None, limit: int):
@@ -213,11 +274,23 @@ def get_checkpoint(session: Session, job: Job, ckpt_id: str) -> Checkpoint:
 
 
 def models_for(session: Session, owner: str) -> list[dict[str, Any]]:
-    out = [{"id": name, "object": "model", "created": m["created"], "owned_by": "kiln"}
-           for name, m in catalog.BASE_MODELS.items()]
-    for j in session.scalars(select(Job).where(Job.owner == owner, Job.status == "succeeded",
-                                               Job.fine_tuned_model.is_not(None)).order_by(Job.pk)):
-        out.append({"id": j.fine_tuned_model, "object": "model", "created": j.finished_at or j.created_at,
-                    "owned_by": owner, "root": j.model, "fine_tuning_job_id": j.id})
+    out = [
+        {"id": name, "object": "model", "created": m["created"], "owned_by": "kiln"}
+        for name, m in catalog.BASE_MODELS.items()
+    ]
+    for j in session.scalars(
+        select(Job)
+        .where(Job.owner == owner, Job.status == "succeeded", Job.fine_tuned_model.is_not(None))
+        .order_by(Job.pk)
+    ):
+        out.append(
+            {
+                "id": j.fine_tuned_model,
+                "object": "model",
+                "created": j.finished_at or j.created_at,
+                "owned_by": owner,
+                "root": j.model,
+                "fine_tuning_job_id": j.id,
+            }
+        )
     return out
-

@@ -4,6 +4,7 @@ The defaults are the embedded ones: SQLite, Celery over SQLite, a local folder a
 all under ``KILN_HOME`` (``./kiln-data``). Production sets ``KILN_DATABASE_URL`` to PostgreSQL and
 ``KILN_BROKER_URL`` to Redis.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache

@@ -1,5 +1,6 @@
 """Streaming multipart/form-data: the file part goes straight to the store's temp area in
 constant memory, and the size limit stops the upload the moment it is passed."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -24,11 +25,14 @@ class Received:
 async def receive(request: Request, store: LocalStore, limit: int, file_field: str = "file") -> Received:
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
-        raise ApiError(415, "Send the file as multipart/form-data with fields 'file' and 'purpose'",
-                       code="unsupported_media_type")
+        raise ApiError(
+            415, "Send the file as multipart/form-data with fields 'file' and 'purpose'", code="unsupported_media_type"
+        )
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit + MAX_FIELD_BYTES:
-        raise ApiError(413, f"File is larger than the upload limit of {limit} bytes", param="file", code="file_too_large")
+        raise ApiError(
+            413, f"File is larger than the upload limit of {limit} bytes", param="file", code="file_too_large"
+        )
 
     out = Received()
     state: dict = {"headers": {}, "name": None, "buf": bytearray(), "hname": b"", "hval": b""}
@@ -68,10 +72,17 @@ async def receive(request: Request, store: LocalStore, limit: int, file_field: s
             out.fields[state["name"]] = state["buf"].decode("utf-8", "replace")
         state["buf"], state["headers"] = bytearray(), {}
 
-    parser = MultipartParser(params[b"boundary"], {
-        "on_header_field": on_header_field, "on_header_value": on_header_value,
-        "on_header_end": on_header_end, "on_headers_finished": on_headers_finished,
-        "on_part_data": on_part_data, "on_part_end": on_part_end})
+    parser = MultipartParser(
+        params[b"boundary"],
+        {
+            "on_header_field": on_header_field,
+            "on_header_value": on_header_value,
+            "on_header_end": on_header_end,
+            "on_headers_finished": on_headers_finished,
+            "on_part_data": on_part_data,
+            "on_part_end": on_part_end,
+        },
+    )
     try:
         async for chunk in request.stream():
             parser.write(chunk)
@@ -80,7 +91,9 @@ async def receive(request: Request, store: LocalStore, limit: int, file_field: s
             await run_in_threadpool(out.upload.finish)
     except TooLarge as e:
         out.upload and out.upload.abort()
-        raise ApiError(413, f"File is larger than the upload limit of {e.limit} bytes", param="file", code="file_too_large") from e
+        raise ApiError(
+            413, f"File is larger than the upload limit of {e.limit} bytes", param="file", code="file_too_large"
+        ) from e
     except ApiError:
         out.upload and out.upload.abort()
         raise

@@ -13,6 +13,7 @@ is_causal). ``--doc 0``: one document of all the tokens; ``--doc 4096``: documen
 FLOPs are the causal ones that count, 2 H (D + E) sum_n L_n (L_n + 1) / 2 forward and 3.5 times
 that for forward + backward. Median of 5 after 2. Writes bench/results/attention.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,20 +46,24 @@ def flex_method(T: int, cu: torch.Tensor):
     doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device="cuda"), cu.diff().cuda())
     mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T, device="cuda")
     compiled = torch.compile(flex_attention)
-    return lambda q, k, v: compiled(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                    block_mask=mask, scale=D ** -0.5)[0].transpose(0, 1)
+    return lambda q, k, v: compiled(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask, scale=D**-0.5
+    )[0].transpose(0, 1)
 
 
 def methods(T: int, cu: torch.Tensor) -> dict:
-    out = {name: (lambda b: lambda q, k, v: flash.varlen_attention(q, k, v, cu, scale=D ** -0.5, backend=b))(name)
-           for name in flash.BACKENDS}
+    out = {
+        name: (lambda b: lambda q, k, v: flash.varlen_attention(q, k, v, cu, scale=D**-0.5, backend=b))(name)
+        for name in flash.BACKENDS
+    }
     try:
         out["flex"] = flex_method(T, cu)
     except Exception as e:  # the bench reports what it could not build
         print(f"flex: not built ({type(e).__name__}: {e})", file=sys.stderr)
     # 4-D: 3-D inputs take the math path
     sdpa = lambda q, k, v, **kw: F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=D ** -0.5, **kw)[0].transpose(0, 1)
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=D**-0.5, **kw
+    )[0].transpose(0, 1)
     if T <= 32768:
         mask = document_mask(cu, cu, "cuda")
         out["sdpa mask"] = lambda q, k, v: sdpa(q, k, v, attn_mask=mask)
@@ -78,8 +83,12 @@ def measure(fn, q, k, v) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fb = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), 5, 2)
-    return {"fwd_ms": f, "fwd_bwd_ms": fb, "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
-            "first_call_s": first}
+    return {
+        "fwd_ms": f,
+        "fwd_bwd_ms": fb,
+        "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "first_call_s": first,
+    }
 
 
 def main() -> None:
@@ -89,8 +98,10 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/attention.json")
     a = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; H {H}, q/k {D}, v {E}, bf16")
-    print("| tokens | documents | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak GiB | "
-          "first call s | fwd+bwd vs flash |")
+    print(
+        "| tokens | documents | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak GiB | "
+        "first call s | fwd+bwd vs flash |"
+    )
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     for T in a.tokens:
@@ -107,18 +118,38 @@ def main() -> None:
                     torch.cuda.empty_cache()
             base = res.get("flash")
             for name, m in res.items():
-                row = {"tokens": T, "doc": doc or T, "method": name, **m, "fwd_tflops": flops / m["fwd_ms"] / 1e9,
-                       "fwd_bwd_tflops": 3.5 * flops / m["fwd_bwd_ms"] / 1e9,
-                       "vs_flash": base["fwd_bwd_ms"] / m["fwd_bwd_ms"] if base else None}
+                row = {
+                    "tokens": T,
+                    "doc": doc or T,
+                    "method": name,
+                    **m,
+                    "fwd_tflops": flops / m["fwd_ms"] / 1e9,
+                    "fwd_bwd_tflops": 3.5 * flops / m["fwd_bwd_ms"] / 1e9,
+                    "vs_flash": base["fwd_bwd_ms"] / m["fwd_bwd_ms"] if base else None,
+                }
                 rows.append(row)
-                print(f"| {T} | {T // (doc or T)} | {name} | {m['fwd_ms']:.2f} | {row['fwd_tflops']:.0f} | "
-                      f"{m['fwd_bwd_ms']:.2f} | {row['fwd_bwd_tflops']:.0f} | {m['peak_gib']:.2f} | "
-                      f"{m['first_call_s']:.1f} | " + (f"{row['vs_flash']:.2f}x |" if base else "- |"), flush=True)
+                print(
+                    f"| {T} | {T // (doc or T)} | {name} | {m['fwd_ms']:.2f} | {row['fwd_tflops']:.0f} | "
+                    f"{m['fwd_bwd_ms']:.2f} | {row['fwd_bwd_tflops']:.0f} | {m['peak_gib']:.2f} | "
+                    f"{m['first_call_s']:.1f} | " + (f"{row['vs_flash']:.2f}x |" if base else "- |"),
+                    flush=True,
+                )
             del q, k, v
             torch.cuda.empty_cache()
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                               "heads": H, "qk_dim": D, "v_dim": E, "rows": rows}, indent=1))
+            Path(a.out).write_text(
+                json.dumps(
+                    {
+                        "device": torch.cuda.get_device_name(),
+                        "torch": torch.__version__,
+                        "heads": H,
+                        "qk_dim": D,
+                        "v_dim": E,
+                        "rows": rows,
+                    },
+                    indent=1,
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ backward), one packed row with and without documents of 4096. GB/s counts the by
 move at least: x and y forward; x, dy and dx for forward + backward. Median of 20 timed calls
 after 5. Baseline: the reference. Writes bench/results/conv.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ def methods(norm: int) -> dict:
         from fla.modules.convolution import causal_conv1d
 
         def fla(x, w, cu, _):
-            return causal_conv1d(x, w.view(w.shape[0], -1), activation="silu",
-                                 cu_seqlens=cu.long() if cu is not None else None)[0]
+            return causal_conv1d(
+                x, w.view(w.shape[0], -1), activation="silu", cu_seqlens=cu.long() if cu is not None else None
+            )[0]
+
         found["fla-core causal_conv1d"] = fla
     except ImportError as err:
         print(f"fla-core is not installed ({err}): no second baseline")
@@ -46,8 +49,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "conv.json")
     args = p.parse_args(argv)
     rows = []
-    for T, C, doc, norm in [(16384, 12288, None, 0), (16384, 12288, 4096, 0), (32768, 24576, 4096, 0),
-                            (16384, 4096, 4096, 128)]:
+    for T, C, doc, norm in [
+        (16384, 12288, None, 0),
+        (16384, 12288, 4096, 0),
+        (32768, 24576, 4096, 0),
+        (16384, 4096, 4096, 128),
+    ]:
         g = torch.Generator(device="cuda").manual_seed(T + C)
         x = torch.randn(1, T, C, device="cuda", generator=g).bfloat16().requires_grad_()
         w = (torch.randn(C, 1, 4, device="cuda", generator=g) * 0.5).bfloat16()
@@ -59,8 +66,13 @@ def main(argv: list[str] | None = None) -> dict:
             row = pass_row(partial(fn, x, w, cu, norm), [x], dy, want, 2 * T * C * 2, 5 * T * C * 2, base)
             base = base or row
             rows.append({"T": T, "C": C, "doc": doc, "norm": norm, "method": name, **row})
-    return report(f"short conv + SiLU, bf16, width 4, {torch.cuda.get_device_name()}", rows,
-                  {"T": 6, "C": 6, "doc": 5, "norm": 4, "method": 24}, BASELINE, args.out)
+    return report(
+        f"short conv + SiLU, bf16, width 4, {torch.cuda.get_device_name()}",
+        rows,
+        {"T": 6, "C": 6, "doc": 5, "norm": 4, "method": 24},
+        BASELINE,
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The benches' clock: the median of CUDA-event times of a call, after warm-up calls; and the rows
 and table of the memory-bound kernels' benches (forward, forward + backward, GB/s)."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,15 @@ def median_ms(call: Callable[[], object], reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def pass_row(call: Callable[[], torch.Tensor], inputs: list[torch.Tensor], dy: torch.Tensor, want: torch.Tensor,
-             fwd_bytes: int, both_bytes: int, base: dict | None) -> dict:
+def pass_row(
+    call: Callable[[], torch.Tensor],
+    inputs: list[torch.Tensor],
+    dy: torch.Tensor,
+    want: torch.Tensor,
+    fwd_bytes: int,
+    both_bytes: int,
+    base: dict | None,
+) -> dict:
     """One method of a memory-bound op: forward and forward + backward (the inputs' gradients)
     median ms of 20 calls after 5, the bytes each must move over that time as GB/s, the speed
     against ``base`` (the baseline's row; None: this is it) and the output's error against ``want``."""
@@ -35,20 +43,31 @@ def pass_row(call: Callable[[], torch.Tensor], inputs: list[torch.Tensor], dy: t
     fwd = median_ms(call, 20, 5)
     both = median_ms(lambda: torch.autograd.grad(call(), inputs, dy), 20, 5)
     base = base or {"fwd_ms": fwd, "fwd_bwd_ms": both}
-    return {"fwd_ms": fwd, "fwd_bwd_ms": both, "fwd_GBps": fwd_bytes / fwd / 1e6, "fwd_bwd_GBps": both_bytes / both / 1e6,
-            "fwd_speedup": base["fwd_ms"] / fwd, "fwd_bwd_speedup": base["fwd_bwd_ms"] / both, "rel_err": err}
+    return {
+        "fwd_ms": fwd,
+        "fwd_bwd_ms": both,
+        "fwd_GBps": fwd_bytes / fwd / 1e6,
+        "fwd_bwd_GBps": both_bytes / both / 1e6,
+        "fwd_speedup": base["fwd_ms"] / fwd,
+        "fwd_bwd_speedup": base["fwd_bwd_ms"] / both,
+        "rel_err": err,
+    }
 
 
 def report(title: str, rows: list[dict], keys: dict[str, int], baseline: str, out: Path) -> dict:
     """Print ``pass_row`` rows under ``title``, led by the ``keys`` columns (name: width), and
     write them to ``out`` as JSON."""
     print(f"\n{title}; baseline: {baseline}")
-    print(" ".join(f"{k:>{w}}" for k, w in keys.items()) + f" {'fwd ms':>7} {'GB/s':>6} {'x base':>7} "
-          f"{'f+b ms':>7} {'GB/s':>6} {'x base':>7} {'rel err':>8}")
+    print(
+        " ".join(f"{k:>{w}}" for k, w in keys.items()) + f" {'fwd ms':>7} {'GB/s':>6} {'x base':>7} "
+        f"{'f+b ms':>7} {'GB/s':>6} {'x base':>7} {'rel err':>8}"
+    )
     for r in rows:
-        print(" ".join(f"{str(r[k] or '-'):>{w}}" for k, w in keys.items()) +
-              f" {r['fwd_ms']:>7.3f} {r['fwd_GBps']:>6.0f} {r['fwd_speedup']:>6.2f}x {r['fwd_bwd_ms']:>7.3f} "
-              f"{r['fwd_bwd_GBps']:>6.0f} {r['fwd_bwd_speedup']:>6.2f}x {r['rel_err']:>8.1e}")
+        print(
+            " ".join(f"{str(r[k] or '-'):>{w}}" for k, w in keys.items())
+            + f" {r['fwd_ms']:>7.3f} {r['fwd_GBps']:>6.0f} {r['fwd_speedup']:>6.2f}x {r['fwd_bwd_ms']:>7.3f} "
+            f"{r['fwd_bwd_GBps']:>6.0f} {r['fwd_bwd_speedup']:>6.2f}x {r['rel_err']:>8.1e}"
+        )
     done = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "baseline": baseline, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(done, indent=1))

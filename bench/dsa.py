@@ -14,6 +14,7 @@ Parts, each forward + backward where it has one:
 TFLOP/s of the sparse attention count 2 T H K (D + E) forward and 2.5x that backward.
 Median of 3 timed calls after 1. Writes bench/results/dsa.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,12 +38,12 @@ def gather_topk(qi, ki, w, topk, chunk):
     out = torch.full((T, min(topk, T)), -1, dtype=torch.int32, device=qi.device)
     for c0 in range(0, T, chunk):
         c1 = min(T, c0 + chunk)
-        dots = torch.einsum("tjd,sd->tjs", qi[c0:c1], ki[:c1]) * Dh ** -0.5
+        dots = torch.einsum("tjd,sd->tjs", qi[c0:c1], ki[:c1]) * Dh**-0.5
         scores = torch.einsum("tj,tjs->ts", w[c0:c1].float(), F.relu(dots).float())
         t = torch.arange(c0, c1, device=qi.device)[:, None]
         scores = scores.masked_fill(torch.arange(c1, device=qi.device)[None] > t, float("-inf"))
         best = scores.topk(min(topk, c1), -1)
-        out[c0:c1, :best.indices.shape[-1]] = torch.where(best.values > float("-inf"), best.indices, -1).int()
+        out[c0:c1, : best.indices.shape[-1]] = torch.where(best.values > float("-inf"), best.indices, -1).int()
     return out
 
 
@@ -74,14 +75,29 @@ def gather_loss(qi, ki, w, idx, target, chunk):
         kl.sum().backward()
 
 
-CANDIDATES = {"fwd": [dict(BH=16, EB=512, BK=32, num_warps=4), dict(BH=32, EB=256, BK=32, num_warps=8),
-                       dict(BH=64, EB=128, BK=32, num_warps=8), dict(BH=64, EB=256, BK=32, num_warps=8),
-                       dict(BH=16, EB=512, BK=64, num_warps=8)],
-              "dq": [dict(BH=16, BK=32, num_warps=4), dict(BH=32, BK=32, num_warps=8), dict(BH=16, BK=64, num_warps=8),
-                     dict(BH=64, BK=16, num_warps=8)],
-              "dkv": [dict(BH=16, BK=16, num_warps=8), dict(BH=32, BK=16, num_warps=8), dict(BH=64, BK=16, num_warps=8),
-                      dict(BH=16, BK=32, num_warps=8), dict(BH=32, BK=32, num_warps=8)],
-              "weights": [dict(BH=16, BK=32, num_warps=4), dict(BH=64, BK=32, num_warps=8), dict(BH=32, BK=64, num_warps=8)]}
+CANDIDATES = {
+    "fwd": [
+        dict(BH=16, EB=512, BK=32, num_warps=4),
+        dict(BH=32, EB=256, BK=32, num_warps=8),
+        dict(BH=64, EB=128, BK=32, num_warps=8),
+        dict(BH=64, EB=256, BK=32, num_warps=8),
+        dict(BH=16, EB=512, BK=64, num_warps=8),
+    ],
+    "dq": [
+        dict(BH=16, BK=32, num_warps=4),
+        dict(BH=32, BK=32, num_warps=8),
+        dict(BH=16, BK=64, num_warps=8),
+        dict(BH=64, BK=16, num_warps=8),
+    ],
+    "dkv": [
+        dict(BH=16, BK=16, num_warps=8),
+        dict(BH=32, BK=16, num_warps=8),
+        dict(BH=64, BK=16, num_warps=8),
+        dict(BH=16, BK=32, num_warps=8),
+        dict(BH=32, BK=32, num_warps=8),
+    ],
+    "weights": [dict(BH=16, BK=32, num_warps=4), dict(BH=64, BK=32, num_warps=8), dict(BH=32, BK=64, num_warps=8)],
+}
 
 
 def tune(a) -> None:
@@ -93,9 +109,13 @@ def tune(a) -> None:
     q = torch.randn(1, T, H, D, generator=g, **bf).requires_grad_()
     kv = torch.randn(1, T, 1, D, generator=g, **bf).requires_grad_()
     do = torch.randn(1, T, H, E, generator=g, **bf)
-    idx = fused.indexer_topk(torch.randn(1, T, 8, 64, generator=g, **bf), torch.randn(1, T, 64, generator=g, **bf),
-                             torch.randn(1, T, 8, generator=g, **bf), torch.zeros(1, T, dtype=torch.long, device="cuda"),
-                             a.topk)
+    idx = fused.indexer_topk(
+        torch.randn(1, T, 8, 64, generator=g, **bf),
+        torch.randn(1, T, 64, generator=g, **bf),
+        torch.randn(1, T, 8, generator=g, **bf),
+        torch.zeros(1, T, dtype=torch.long, device="cuda"),
+        a.topk,
+    )
 
     def attn():
         o, _ = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, True)
@@ -126,7 +146,7 @@ def measure(a, T: int) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(T)
     qi = torch.randn(T, J, Dh, generator=g, **bf).requires_grad_()
     ki = torch.randn(T, Dh, generator=g, **bf).requires_grad_()
-    w = (torch.randn(T, J, generator=g, **bf) * J ** -0.5).requires_grad_()
+    w = (torch.randn(T, J, generator=g, **bf) * J**-0.5).requires_grad_()
     q = torch.randn(T, H, D, generator=g, **bf).requires_grad_()
     kv = torch.randn(T, D, generator=g, **bf).requires_grad_()
     do = torch.randn(T, H, E, generator=g, **bf)
@@ -149,9 +169,11 @@ def measure(a, T: int) -> list[dict]:
 
     ms_f = {"top-k": timed(f_topk), "attention": timed(f_attn), "loss": timed(f_loss)}
     c_idx, c_att = max(64, 2**26 // T), 512
-    ms_g = {"top-k": timed(lambda: gather_topk(qi.detach(), ki.detach(), w.detach(), a.topk, c_idx)),
-            "attention": timed(lambda: gather_attention(q, kv, idx[0], do, E, scale, c_att)),
-            "loss": timed(lambda: gather_loss(qi, ki, w, idx[0], target, c_att))}
+    ms_g = {
+        "top-k": timed(lambda: gather_topk(qi.detach(), ki.detach(), w.detach(), a.topk, c_idx)),
+        "attention": timed(lambda: gather_attention(q, kv, idx[0], do, E, scale, c_att)),
+        "loss": timed(lambda: gather_loss(qi, ki, w, idx[0], target, c_att)),
+    }
     qd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
     kd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
     vd = torch.randn(1, H, T, 128, generator=g, **bf).requires_grad_()
@@ -162,15 +184,25 @@ def measure(a, T: int) -> list[dict]:
     att_flops = 3.5 * 2 * T * H * keys * (D + E)
     rows = []
     for part in ms_f:
-        row = {"T": T, "part": part, "gather_ms": ms_g[part], "triton_ms": ms_f[part],
-               "speedup": ms_g[part] / ms_f[part], "dense_ms": dense, "vs_dense": dense / ms_f[part]}
+        row = {
+            "T": T,
+            "part": part,
+            "gather_ms": ms_g[part],
+            "triton_ms": ms_f[part],
+            "speedup": ms_g[part] / ms_f[part],
+            "dense_ms": dense,
+            "vs_dense": dense / ms_f[part],
+        }
         tf = ""
         if part == "attention":
             row["tflops"] = att_flops / ms_f[part] / 1e9
             tf = f"{row['tflops']:.0f}"
         rows.append(row)
-        print(f"| {T} | {part} | {ms_g[part]:.1f} | {ms_f[part]:.1f} | {row['speedup']:.2f}x | {tf} | "
-              f"{dense:.1f} | {row['vs_dense']:.2f}x |", flush=True)
+        print(
+            f"| {T} | {part} | {ms_g[part]:.1f} | {ms_f[part]:.1f} | {row['speedup']:.2f}x | {tf} | "
+            f"{dense:.1f} | {row['vs_dense']:.2f}x |",
+            flush=True,
+        )
     return rows
 
 
@@ -187,17 +219,30 @@ def main() -> None:
         return tune(a)
     H, D, E, J, Dh, _ = dims(a)
     rows = []
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; H={H}, D={D}, E={E}, index {J}x{Dh}, "
-          f"top-{a.topk}, bf16, fwd+bwd")
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; H={H}, D={D}, E={E}, index {J}x{Dh}, "
+        f"top-{a.topk}, bf16, fwd+bwd"
+    )
     print("| T | part | gather ms | Triton ms | Triton / gather | attention TFLOP/s | dense SDPA ms | vs dense |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for T in a.seq:
         rows += measure(a, T)
         torch.cuda.empty_cache()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                       "heads": H, "dims": [D, E], "index": [J, Dh], "topk": a.topk,
-                                       "rows": rows}, indent=2))
+    Path(a.out).write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "heads": H,
+                "dims": [D, E],
+                "index": [J, Dh],
+                "topk": a.topk,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

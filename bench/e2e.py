@@ -26,6 +26,7 @@ Writes (merging with what the other side wrote) bench/results/e2e.json as
 ``{"rows": [{"tokens", "layout", "experts", "kiln_tokens_per_s", "kiln_peak_gib",
 "hf_tokens_per_s", "hf_peak_gib", "kiln_first_step_s", ...}], "device", "date"}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,18 +42,51 @@ from pathlib import Path
 import torch
 from torch import nn
 
-SHAPE = dict(vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024,
-             num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None,
-             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, num_local_experts=256, num_experts_per_tok=8,
-             n_shared_experts=1, linear_head_dim=128, linear_num_heads=32, routed_scaling_factor=2.446,
-             layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"],
-             mlp_layer_types=["dense"] + ["sparse"] * 4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SHAPE = dict(
+    vocab_size=163840,
+    hidden_size=2304,
+    intermediate_size=9216,
+    moe_intermediate_size=1024,
+    num_hidden_layers=5,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    num_local_experts=256,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    linear_head_dim=128,
+    linear_num_heads=32,
+    routed_scaling_factor=2.446,
+    layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention"],
+    mlp_layer_types=["dense"] + ["sparse"] * 4,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # --check: the whole script at a tiny size on the CPU, in seconds (no timings worth reading)
-TINY = dict(SHAPE, vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
-            num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            num_local_experts=8, num_experts_per_tok=2, linear_head_dim=16, linear_num_heads=4)
+TINY = dict(
+    SHAPE,
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    linear_head_dim=16,
+    linear_num_heads=4,
+)
 DOC = 4096
 LONG = 32768  # longer rows: Kiln recomputes (Swap Core), transformers checkpoints its layers
 DEV = torch.device("cuda")
@@ -100,10 +134,27 @@ class _Patch:
         setattr(self.owner, self.attr, self.fn)
 
 
-NAME_HINTS = [("kda", "KDA"), ("conv", "KDA"), ("_intra", "KDA"), ("_solve", "KDA"), ("_wu", "KDA"),
-              ("_states", "KDA"), ("_dlocal", "KDA"), ("_output", "KDA"), ("_cumsum", "KDA"), ("chunk_", "KDA"), ("flash", "attention"), ("fmha", "attention"), ("attention", "attention"),
-              ("experts", "MoE"), ("grouped", "MoE"), ("lora", "projections + LoRA"), ("crossentropy", "loss"),
-              ("cross_entropy", "loss"), ("adam", "optimizer")]
+NAME_HINTS = [
+    ("kda", "KDA"),
+    ("conv", "KDA"),
+    ("_intra", "KDA"),
+    ("_solve", "KDA"),
+    ("_wu", "KDA"),
+    ("_states", "KDA"),
+    ("_dlocal", "KDA"),
+    ("_output", "KDA"),
+    ("_cumsum", "KDA"),
+    ("chunk_", "KDA"),
+    ("flash", "attention"),
+    ("fmha", "attention"),
+    ("attention", "attention"),
+    ("experts", "MoE"),
+    ("grouped", "MoE"),
+    ("lora", "projections + LoRA"),
+    ("crossentropy", "loss"),
+    ("cross_entropy", "loss"),
+    ("adam", "optimizer"),
+]
 
 
 def split_by_class(prof, wall_ms: float) -> dict[str, float]:
@@ -114,7 +165,7 @@ def split_by_class(prof, wall_ms: float) -> dict[str, float]:
     def tagged(e):
         while e is not None:
             if e.name.startswith(TAG):
-                return e.name[len(TAG):]
+                return e.name[len(TAG) :]
             e = e.cpu_parent
         return None
 
@@ -127,7 +178,7 @@ def split_by_class(prof, wall_ms: float) -> dict[str, float]:
     def resolve(e):
         while e is not None:
             if e.name.startswith(TAG):
-                return e.name[len(TAG):]
+                return e.name[len(TAG) :]
             if e.name.startswith("autograd::engine::evaluate_function"):  # the backward: its forward op's class
                 c = by_seq.get((e.fwd_thread, e.sequence_nr))
                 if c is not None:
@@ -138,8 +189,11 @@ def split_by_class(prof, wall_ms: float) -> dict[str, float]:
     split: dict[str, float] = defaultdict(float)
     busy = []
     for e in events:  # on the CPU (--check) each op's own time stands for its kernels
-        work = [(k.name, k.duration) for k in e.kernels] if DEV.type == "cuda" else (
-            [(e.name, e.self_cpu_time_total)] if not e.name.startswith(TAG) else [])
+        work = (
+            [(k.name, k.duration) for k in e.kernels]
+            if DEV.type == "cuda"
+            else ([(e.name, e.self_cpu_time_total)] if not e.name.startswith(TAG) else [])
+        )
         for name, us in work:
             c = resolve(e)
             if c is None:
@@ -208,6 +262,7 @@ class Compiles:
             if not cache_hit:
                 self.count += 1
                 self.times[getattr(getattr(src, "fn", None), "__name__", "?")] += times.total / 1e6
+
         knobs.compilation.listener = listen
         return self
 
@@ -217,8 +272,11 @@ class Compiles:
 
     def report(self) -> dict:
         top = sorted(self.times.items(), key=lambda kv: -kv[1])[:8]
-        return {"compiles": self.count, "compile_s": sum(self.times.values()),
-                "slowest_compiles_s": {k: round(v, 2) for k, v in top}}
+        return {
+            "compiles": self.count,
+            "compile_s": sum(self.times.values()),
+            "slowest_compiles_s": {k: round(v, 2) for k, v in top},
+        }
 
 
 def build_checkpoint(folder: Path) -> None:
@@ -255,8 +313,10 @@ class Kiln:
 
         t0 = time.perf_counter()
         self.model = load_base(folder)
-        apply_lora(self.model, LoraSpec(rank=16, alpha=32, target_modules=TARGETS,
-                                        target_parameters=EXPERTS if experts else []))
+        apply_lora(
+            self.model,
+            LoraSpec(rank=16, alpha=32, target_modules=TARGETS, target_parameters=EXPERTS if experts else []),
+        )
         if DEV.type == "cuda":  # as the trainer: the steps run under bf16 autocast
             store_frozen(self.model, torch.bfloat16)
         self.model.to(DEV).train()
@@ -284,9 +344,17 @@ class Kiln:
         from engine.model.common.moe import MoE
         from engine.model.kimi_linear import KimiDeltaAttention, MLAttention
 
-        return tag_modules(self.model, {LoRALinear: "projections + LoRA", nn.Linear: "projections + LoRA",
-                                        ExpertsLoRA: "MoE", KimiDeltaAttention: "KDA", MLAttention: "attention",
-                                        MoE: "MoE"}) + [_Patch(layers, "next_token_loss", "loss")]
+        return tag_modules(
+            self.model,
+            {
+                LoRALinear: "projections + LoRA",
+                nn.Linear: "projections + LoRA",
+                ExpertsLoRA: "MoE",
+                KimiDeltaAttention: "KDA",
+                MLAttention: "attention",
+                MoE: "MoE",
+            },
+        ) + [_Patch(layers, "next_token_loss", "loss")]
 
     def step(self, docs: list[torch.Tensor]) -> None:
         from engine.data import Sample
@@ -310,8 +378,9 @@ class HF:
 
         t0 = time.perf_counter()
         base = transformers.KimiLinearForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(DEV)
-        cfg = peft.LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS,
-                              target_parameters=EXPERTS if experts else None)
+        cfg = peft.LoraConfig(
+            r=16, lora_alpha=32, target_modules=TARGETS, target_parameters=EXPERTS if experts else None
+        )
         self.model = peft.get_peft_model(base, cfg).train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=1e-5)
@@ -332,8 +401,11 @@ class HF:
         from transformers.models.kimi_linear import modeling_kimi_linear as m
 
         classes = {peft.tuners.lora.LoraLayer: "projections + LoRA", nn.Linear: "projections + LoRA"}
-        for cls_name, c in (("KimiLinearDeltaAttention", "KDA"), ("KimiLinearAttention", "attention"),
-                            ("KimiLinearMoE", "MoE")):
+        for cls_name, c in (
+            ("KimiLinearDeltaAttention", "KDA"),
+            ("KimiLinearAttention", "attention"),
+            ("KimiLinearMoE", "MoE"),
+        ):
             classes[getattr(m, cls_name)] = c
         handles = tag_modules(self.model, classes)
         head = self.model.get_output_embeddings()
@@ -352,8 +424,17 @@ class HF:
             self.opt.zero_grad(set_to_none=True)
 
 
-def run_side(side_cls, folder: Path, tokens: list[int], layouts: list[str], experts: list[bool], steps: int,
-             profile: bool, record, trace_file: str | None) -> None:
+def run_side(
+    side_cls,
+    folder: Path,
+    tokens: list[int],
+    layouts: list[str],
+    experts: list[bool],
+    steps: int,
+    profile: bool,
+    record,
+    trace_file: str | None,
+) -> None:
     first_done = False
     for with_experts in experts:
         side = side_cls(folder, with_experts)
@@ -379,14 +460,21 @@ def run_side(side_cls, folder: Path, tokens: list[int], layouts: list[str], expe
                         times.append(time.perf_counter() - t0)
                     peak = peak_gib()
                     med = statistics.median(times)
-                    res = {"tokens_per_s": T / med, "peak_gib": peak, "step_s": med, "memory": side.memory,
-                           "first_step_s": first, "compiles_in_first": not first_done,
-                           "first_step_compiles": compiles.report()}
+                    res = {
+                        "tokens_per_s": T / med,
+                        "peak_gib": peak,
+                        "step_s": med,
+                        "memory": side.memory,
+                        "first_step_s": first,
+                        "compiles_in_first": not first_done,
+                        "first_step_compiles": compiles.report(),
+                    }
                     first_done = True
                     if profile:
                         handles = side.tag()
-                        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        with torch.profiler.profile(
+                            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                        ) as prof:
                             t0 = time.perf_counter()
                             side.step(docs)
                             sync()
@@ -431,37 +519,66 @@ def main() -> None:
     rows = {(r["tokens"], r["layout"], r["experts"]): r for r in done["rows"]}
 
     def record(key, side, res):
-        r = rows.setdefault(key, {"tokens": key[0], "layout": key[1], "experts": key[2],
-                                  "kiln_tokens_per_s": None, "kiln_peak_gib": None, "hf_tokens_per_s": None,
-                                  "hf_peak_gib": None, "kiln_first_step_s": None})
+        r = rows.setdefault(
+            key,
+            {
+                "tokens": key[0],
+                "layout": key[1],
+                "experts": key[2],
+                "kiln_tokens_per_s": None,
+                "kiln_peak_gib": None,
+                "hf_tokens_per_s": None,
+                "hf_peak_gib": None,
+                "kiln_first_step_s": None,
+            },
+        )
         for k, v in res.items():
             r[f"{side}_{k}"] = v
         hf, kiln = r.get("hf_tokens_per_s"), r.get("kiln_tokens_per_s")
         r["speedup"] = kiln / hf if hf and kiln else None
-        r["memory_ratio"] = (r["kiln_peak_gib"] / r["hf_peak_gib"]) if r.get("hf_peak_gib") and r.get(
-            "kiln_peak_gib") else None
+        r["memory_ratio"] = (
+            (r["kiln_peak_gib"] / r["hf_peak_gib"]) if r.get("hf_peak_gib") and r.get("kiln_peak_gib") else None
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"rows": sorted(rows.values(), key=lambda r: (r["experts"], r["tokens"], r["layout"])),
-                                   "device": device_name(), "torch": torch.__version__,
-                                   "date": datetime.date.today().isoformat()}, indent=1))
+        out.write_text(
+            json.dumps(
+                {
+                    "rows": sorted(rows.values(), key=lambda r: (r["experts"], r["tokens"], r["layout"])),
+                    "device": device_name(),
+                    "torch": torch.__version__,
+                    "date": datetime.date.today().isoformat(),
+                },
+                indent=1,
+            )
+        )
         tps = res.get("tokens_per_s")
-        print(f"{side:>4} {key[0]:>7} {key[1]:>8} experts={str(key[2]):<5} "
-              + (f"{tps:>9.0f} tok/s  peak {res['peak_gib']:6.1f} GiB  first step {res['first_step_s']:.1f} s"
-                 if tps else res.get("error", "")) + (f"  split {res['split_ms']}" if "split_ms" in res else ""),
-              flush=True)
+        print(
+            f"{side:>4} {key[0]:>7} {key[1]:>8} experts={str(key[2]):<5} "
+            + (
+                f"{tps:>9.0f} tok/s  peak {res['peak_gib']:6.1f} GiB  first step {res['first_step_s']:.1f} s"
+                if tps
+                else res.get("error", "")
+            )
+            + (f"  split {res['split_ms']}" if "split_ms" in res else ""),
+            flush=True,
+        )
 
     experts = {"no": [False], "yes": [True], "both": [False, True]}[a.experts]
     sides = {"kiln": [Kiln], "hf": [HF], "both": [Kiln, HF]}[a.side]
     for side in sides:
         run_side(side, folder, a.tokens, a.layouts, experts, a.steps, not a.no_profile, record, a.trace_file)
-    print("\n| tokens | layout | experts | Kiln tok/s | HF tok/s | Kiln / HF | Kiln GiB | HF GiB | memory | "
-          "Kiln first step s |")
+    print(
+        "\n| tokens | layout | experts | Kiln tok/s | HF tok/s | Kiln / HF | Kiln GiB | HF GiB | memory | "
+        "Kiln first step s |"
+    )
     print("| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in sorted(rows.values(), key=lambda r: (r["experts"], r["tokens"], r["layout"])):
         f = lambda v, fmt: format(v, fmt) if v is not None else "-"
-        print(f"| {r['tokens']} | {r['layout']} | {r['experts']} | {f(r['kiln_tokens_per_s'], '.0f')} | "
-              f"{f(r['hf_tokens_per_s'], '.0f')} | {f(r['speedup'], '.2f')}x | {f(r['kiln_peak_gib'], '.1f')} | "
-              f"{f(r['hf_peak_gib'], '.1f')} | {f(r['memory_ratio'], '.2f')}x | {f(r.get('kiln_first_step_s'), '.1f')} |")
+        print(
+            f"| {r['tokens']} | {r['layout']} | {r['experts']} | {f(r['kiln_tokens_per_s'], '.0f')} | "
+            f"{f(r['hf_tokens_per_s'], '.0f')} | {f(r['speedup'], '.2f')}x | {f(r['kiln_peak_gib'], '.1f')} | "
+            f"{f(r['hf_peak_gib'], '.1f')} | {f(r['memory_ratio'], '.2f')}x | {f(r.get('kiln_first_step_s'), '.1f')} |"
+        )
     sys.stdout.flush()
 
 

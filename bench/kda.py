@@ -12,6 +12,7 @@ Median of 5 timed calls after 2; peak memory over forward + backward, and of a t
 alone with what it holds for the backward (``fwd_peak_gib``, ``fwd_held_gib``; the inputs
 excluded). Baseline: fla-core. Writes bench/results/kda.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,13 @@ from kiln_kernels.kda import triton as ours
 def inputs(T: int, H: int, d: int, doc: int) -> tuple[dict, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(T + H)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)
-    x = {"q": F.normalize(r(1, T, H, d), dim=-1).bfloat16(), "k": F.normalize(r(1, T, H, d), dim=-1).bfloat16(),
-         "v": r(1, T, H, d).bfloat16(), "g": reference.kda_gate(r(1, T, H, d), r(H) * 0.5, r(H, d), -5.0),
-         "beta": torch.sigmoid(r(1, T, H)).bfloat16()}
+    x = {
+        "q": F.normalize(r(1, T, H, d), dim=-1).bfloat16(),
+        "k": F.normalize(r(1, T, H, d), dim=-1).bfloat16(),
+        "v": r(1, T, H, d).bfloat16(),
+        "g": reference.kda_gate(r(1, T, H, d), r(H) * 0.5, r(H, d), -5.0),
+        "beta": torch.sigmoid(r(1, T, H)).bfloat16(),
+    }
     cu = torch.arange(0, T + 1, doc, device="cuda", dtype=torch.int32)
     return {n: t.requires_grad_() for n, t in x.items()}, cu
 
@@ -104,8 +109,10 @@ def main() -> None:
     a = p.parse_args()
     d, C = a.dim, 64
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; d={d}, documents of {a.doc}, bf16")
-    print("| tokens | heads | method | fwd ms | fwd Mtok/s | fwd TFLOP/s | fwd+bwd ms | fwd+bwd Mtok/s | "
-          "fwd+bwd TFLOP/s | peak GiB (fwd+bwd) | fwd peak GiB | fwd held GiB | fwd vs fla | fwd+bwd vs fla |")
+    print(
+        "| tokens | heads | method | fwd ms | fwd Mtok/s | fwd TFLOP/s | fwd+bwd ms | fwd+bwd Mtok/s | "
+        "fwd+bwd TFLOP/s | peak GiB (fwd+bwd) | fwd peak GiB | fwd held GiB | fwd vs fla | fwd+bwd vs fla |"
+    )
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     if a.profile:
         profile(a.tokens[0], a.heads[0], d, a.doc)
@@ -119,31 +126,55 @@ def main() -> None:
                 if name == "PyTorch reference" and T * H > a.reference_up_to:
                     continue
                 res[name] = m = measure(fn, x, cu)
-                print(f"measured {T} x {H}, {name}: " + (f"fwd {m['fwd_ms']:.2f} ms, fwd+bwd {m['fwd_bwd_ms']:.2f} ms"
-                      if m else "out of memory"), file=sys.stderr, flush=True)  # kept if a later method runs out of time
+                print(
+                    f"measured {T} x {H}, {name}: "
+                    + (f"fwd {m['fwd_ms']:.2f} ms, fwd+bwd {m['fwd_bwd_ms']:.2f} ms" if m else "out of memory"),
+                    file=sys.stderr,
+                    flush=True,
+                )  # kept if a later method runs out of time
             base = res.get("fla-core chunk_kda") or {}
             for name, m in res.items():
                 if not m:
                     print(f"| {T} | {H} | {name} | out of memory | | | | | | | | | | |")
                     continue
-                row = {"tokens": T, "heads": H, "method": name, **m, "fwd_mtok_s": T / m["fwd_ms"] / 1e3,
-                       "fwd_bwd_mtok_s": T / m["fwd_bwd_ms"] / 1e3, "fwd_tflops": flops / m["fwd_ms"] / 1e9,
-                       "fwd_bwd_tflops": 3 * flops / m["fwd_bwd_ms"] / 1e9,
-                       "fwd_vs_fla": base["fwd_ms"] / m["fwd_ms"] if base else None,
-                       "fwd_bwd_vs_fla": base["fwd_bwd_ms"] / m["fwd_bwd_ms"] if base else None}
+                row = {
+                    "tokens": T,
+                    "heads": H,
+                    "method": name,
+                    **m,
+                    "fwd_mtok_s": T / m["fwd_ms"] / 1e3,
+                    "fwd_bwd_mtok_s": T / m["fwd_bwd_ms"] / 1e3,
+                    "fwd_tflops": flops / m["fwd_ms"] / 1e9,
+                    "fwd_bwd_tflops": 3 * flops / m["fwd_bwd_ms"] / 1e9,
+                    "fwd_vs_fla": base["fwd_ms"] / m["fwd_ms"] if base else None,
+                    "fwd_bwd_vs_fla": base["fwd_bwd_ms"] / m["fwd_bwd_ms"] if base else None,
+                }
                 rows.append(row)
-                ratio = (lambda v: f"{v:.2f}x" if v else "-")
-                print(f"| {T} | {H} | {name} | {m['fwd_ms']:.2f} | {row['fwd_mtok_s']:.2f} | {row['fwd_tflops']:.1f} | "
-                      f"{m['fwd_bwd_ms']:.2f} | {row['fwd_bwd_mtok_s']:.2f} | {row['fwd_bwd_tflops']:.1f} | "
-                      f"{m['peak_gib']:.1f} | {m['fwd_peak_gib']:.2f} | {m['fwd_held_gib']:.2f} | "
-                      f"{ratio(row['fwd_vs_fla'])} | "
-                      f"{ratio(row['fwd_bwd_vs_fla'])} |", flush=True)
+                ratio = lambda v: f"{v:.2f}x" if v else "-"
+                print(
+                    f"| {T} | {H} | {name} | {m['fwd_ms']:.2f} | {row['fwd_mtok_s']:.2f} | {row['fwd_tflops']:.1f} | "
+                    f"{m['fwd_bwd_ms']:.2f} | {row['fwd_bwd_mtok_s']:.2f} | {row['fwd_bwd_tflops']:.1f} | "
+                    f"{m['peak_gib']:.1f} | {m['fwd_peak_gib']:.2f} | {m['fwd_held_gib']:.2f} | "
+                    f"{ratio(row['fwd_vs_fla'])} | "
+                    f"{ratio(row['fwd_bwd_vs_fla'])} |",
+                    flush=True,
+                )
             del x
             torch.cuda.empty_cache()
             # after every shape: a run cut short keeps what it measured
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                               "dim": d, "doc": a.doc, "rows": rows}, indent=2))
+            Path(a.out).write_text(
+                json.dumps(
+                    {
+                        "device": torch.cuda.get_device_name(),
+                        "torch": torch.__version__,
+                        "dim": d,
+                        "doc": a.doc,
+                        "rows": rows,
+                    },
+                    indent=2,
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ files, list models: each authenticated, each a query). It prints p50/p99 per req
 the ratio to the baseline, and the error count, which must be zero. Traffic stays on 127.0.0.1,
 and every loop is bounded by time and count.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,6 +39,7 @@ async def _phase(base_url: str, keys: list[str], clients: int, seconds: float, r
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=60) as http:
+
         async def client(i: int) -> None:
             rng = random.Random(i)
             headers = {"Authorization": f"Bearer {keys[i % len(keys)]}"}
@@ -74,27 +76,56 @@ def run(base_url: str, keys: list[str], job_ids: list[str], clients: int, second
     rows = []
     for name, xs in sorted(load["latency_ms"].items()):
         p50, p99 = pct(xs, 50), pct(xs, 99)
-        rows.append({"request": name, "count": len(xs), "p50_ms": p50, "p99_ms": p99,
-                     "p50_vs_baseline": p50 / base50, "p99_vs_baseline": p99 / base99})
+        rows.append(
+            {
+                "request": name,
+                "count": len(xs),
+                "p50_ms": p50,
+                "p99_ms": p99,
+                "p50_vs_baseline": p50 / base50,
+                "p99_vs_baseline": p99 / base99,
+            }
+        )
     allx = [x for xs in load["latency_ms"].values() for x in xs]
-    return {"clients": clients, "seconds": seconds,
-            "baseline": {"request": "healthz", "count": baseline["requests"], "p50_ms": base50, "p99_ms": base99,
-                         "rps": baseline["rps"], "errors": len(baseline["errors"])},
-            "mix": {"count": load["requests"], "rps": load["rps"], "p50_ms": pct(allx, 50), "p99_ms": pct(allx, 99),
-                    "errors": len(load["errors"]), "first_errors": load["errors"][:5]},
-            "rows": rows}
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "baseline": {
+            "request": "healthz",
+            "count": baseline["requests"],
+            "p50_ms": base50,
+            "p99_ms": base99,
+            "rps": baseline["rps"],
+            "errors": len(baseline["errors"]),
+        },
+        "mix": {
+            "count": load["requests"],
+            "rps": load["rps"],
+            "p50_ms": pct(allx, 50),
+            "p99_ms": pct(allx, 99),
+            "errors": len(load["errors"]),
+            "first_errors": load["errors"][:5],
+        },
+        "rows": rows,
+    }
 
 
 def table(result: dict) -> str:
     b, m = result["baseline"], result["mix"]
-    lines = [f"{result['clients']} clients, {result['seconds']:.0f} s; baseline healthz: {b['count']} requests, "
-             f"{b['rps']:.0f}/s, p50 {b['p50_ms']:.1f} ms, p99 {b['p99_ms']:.1f} ms, {b['errors']} errors",
-             f"{'request':<12} {'count':>7} {'p50 ms':>8} {'p99 ms':>8} {'p50/base':>9} {'p99/base':>9}"]
+    lines = [
+        f"{result['clients']} clients, {result['seconds']:.0f} s; baseline healthz: {b['count']} requests, "
+        f"{b['rps']:.0f}/s, p50 {b['p50_ms']:.1f} ms, p99 {b['p99_ms']:.1f} ms, {b['errors']} errors",
+        f"{'request':<12} {'count':>7} {'p50 ms':>8} {'p99 ms':>8} {'p50/base':>9} {'p99/base':>9}",
+    ]
     for r in result["rows"]:
-        lines.append(f"{r['request']:<12} {r['count']:>7} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
-                     f"{r['p50_vs_baseline']:>9.2f} {r['p99_vs_baseline']:>9.2f}")
-    lines.append(f"{'all':<12} {m['count']:>7} {m['p50_ms']:>8.1f} {m['p99_ms']:>8.1f}   "
-                 f"{m['rps']:.0f} requests/s, {m['errors']} errors")
+        lines.append(
+            f"{r['request']:<12} {r['count']:>7} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+            f"{r['p50_vs_baseline']:>9.2f} {r['p99_vs_baseline']:>9.2f}"
+        )
+    lines.append(
+        f"{'all':<12} {m['count']:>7} {m['p50_ms']:>8.1f} {m['p99_ms']:>8.1f}   "
+        f"{m['rps']:.0f} requests/s, {m['errors']} errors"
+    )
     return "\n".join(lines)
 
 
@@ -118,7 +149,9 @@ def main() -> int:
         job_ids = []
         for i in range(3):
             with httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {keys[i]}"}, timeout=60) as c:
-                f = c.post("/v1/files", files={"file": ("train.jsonl", text_only)}, data={"purpose": "fine-tune"}).json()
+                f = c.post(
+                    "/v1/files", files={"file": ("train.jsonl", text_only)}, data={"purpose": "fine-tune"}
+                ).json()
                 job = {"model": "kiln-tiny", "training_file": f["id"], "hyperparameters": {"n_epochs": 50}}
                 job_ids.append(c.post("/v1/fine_tuning/jobs", json=job).json()["id"])
         result = run(stack.base_url, keys, job_ids, args.clients, args.seconds)

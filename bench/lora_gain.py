@@ -8,6 +8,7 @@
 Measured on the image questions of the validation split (loss) and the test split (exact match
 of greedy answers), base against adapter; written to JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,16 @@ def validation_loss(model, folder: Path, data: Path, work: Path) -> float:
     """The trainer's own validation loss, for a model as it is."""
     tok = load_tokenizer(folder)
     tpl = chat_template(tok)
-    ds = Dataset(data, SAMPLE / "images.zip", tok, tpl, model.image_size, model.image_tokens,
-                 LengthBound("kiln-tiny", 2048), work)
+    ds = Dataset(
+        data,
+        SAMPLE / "images.zip",
+        tok,
+        tpl,
+        model.image_size,
+        model.image_tokens,
+        LengthBound("kiln-tiny", 2048),
+        work,
+    )
     try:
         return evaluate(model, ds, list(range(len(ds))), 8, tpl.pad_id, 2048, Single(torch.device("cpu")))["valid_loss"]
     finally:
@@ -73,17 +82,38 @@ def run(work: Path, pretrain_steps: int, lora_steps: int) -> dict:
     img_test = split(SAMPLE / "test.jsonl", work / "img_test.jsonl", images=True)
 
     pre = RecordingReporter()
-    result = engine.train(JobSpec(job_id="pretrain", model="kiln-tiny", training_file=str(text), training="full",
-                                  n_epochs=1000, batch_size=8, max_steps=pretrain_steps,
-                                  checkpoint_interval=pretrain_steps, seed=0), store, pre)
+    result = engine.train(
+        JobSpec(
+            job_id="pretrain",
+            model="kiln-tiny",
+            training_file=str(text),
+            training="full",
+            n_epochs=1000,
+            batch_size=8,
+            max_steps=pretrain_steps,
+            checkpoint_interval=pretrain_steps,
+            seed=0,
+        ),
+        store,
+        pre,
+    )
     base_dir = store.model_dir("bench-base")
     base_dir.parent.mkdir(parents=True, exist_ok=True)
     store.path(result.adapter_key).rename(base_dir)
     lora = RecordingReporter()
-    spec = JobSpec(job_id="lora", model="bench-base", training_file=str(img_train), validation_file=str(img_valid),
-                   images_file=str(SAMPLE / "images.zip"), n_epochs=1000, batch_size=8, max_steps=lora_steps,
-                   checkpoint_interval=lora_steps // 5, seed=0,
-                   lora=LoraSpec(rank=16, alpha=32))
+    spec = JobSpec(
+        job_id="lora",
+        model="bench-base",
+        training_file=str(img_train),
+        validation_file=str(img_valid),
+        images_file=str(SAMPLE / "images.zip"),
+        n_epochs=1000,
+        batch_size=8,
+        max_steps=lora_steps,
+        checkpoint_interval=lora_steps // 5,
+        seed=0,
+        lora=LoraSpec(rank=16, alpha=32),
+    )
     done = engine.train(spec, store, lora)
     valid = {s: v["valid_loss"] for s, v in lora.steps.items() if "valid_loss" in v}
     base_model = load_base(base_dir).eval()
@@ -93,9 +123,15 @@ def run(work: Path, pretrain_steps: int, lora_steps: int) -> dict:
     load_adapter(tuned, store.path(f"{spec.artifacts}/checkpoints/step-{lora_steps:07d}"))
     tuned_em = exact_match(tuned.eval(), base_dir, img_test)
     base_valid = validation_loss(base_model, base_dir, img_valid, work)
-    return {"pretrain_final_loss": pre.steps[pretrain_steps]["train_loss"], "base_valid_loss": base_valid,
-            "valid_loss_by_step": valid, "valid_loss_reduction": 1 - valid[lora_steps] / base_valid,
-            "base_exact_match": base_em, "lora_exact_match": tuned_em, "adapter": done.adapter_key}
+    return {
+        "pretrain_final_loss": pre.steps[pretrain_steps]["train_loss"],
+        "base_valid_loss": base_valid,
+        "valid_loss_by_step": valid,
+        "valid_loss_reduction": 1 - valid[lora_steps] / base_valid,
+        "base_exact_match": base_em,
+        "lora_exact_match": tuned_em,
+        "adapter": done.adapter_key,
+    }
 
 
 def main() -> int:
@@ -106,13 +142,17 @@ def main() -> int:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
         r = run(Path(d), args.pretrain_steps, args.lora_steps)
-    print(f"base (pretrained on arithmetic only): image-question validation loss {r['base_valid_loss']:.3f}, "
-          f"test exact match {r['base_exact_match']:.1%}")
+    print(
+        f"base (pretrained on arithmetic only): image-question validation loss {r['base_valid_loss']:.3f}, "
+        f"test exact match {r['base_exact_match']:.1%}"
+    )
     print(f"{'LoRA step':>9} {'valid loss':>10} {'/ base':>7}")
     for s, v in sorted(r["valid_loss_by_step"].items()):
         print(f"{s:>9} {v:>10.3f} {v / r['base_valid_loss']:>7.3f}")
-    print(f"validation loss reduction {r['valid_loss_reduction']:.1%}; exact match {r['base_exact_match']:.1%} -> "
-          f"{r['lora_exact_match']:.1%}")
+    print(
+        f"validation loss reduction {r['valid_loss_reduction']:.1%}; exact match {r['base_exact_match']:.1%} -> "
+        f"{r['lora_exact_match']:.1%}"
+    )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(r, indent=2))
     return 0 if r["valid_loss_reduction"] >= 0.8 and r["lora_exact_match"] > r["base_exact_match"] else 1

@@ -11,6 +11,7 @@ gradients it returns: logits, softmax, chunk buffers, copies. The loss and
 both gradients are checked against the naive one. Baselines: Liger (speed goal >= 1.0x) and naive
 (memory goal <= 1/10). Writes bench/results/loss.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,13 @@ def measure(fn, h, W, y, reps: int = 5) -> dict:
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
-    return {"ms": statistics.median(times), "extra_gb": (torch.cuda.max_memory_allocated() - base) / 1e9,
-            "loss": float(loss.detach()), "dh": h.grad.clone(), "dW": W.grad.clone()}
+    return {
+        "ms": statistics.median(times),
+        "extra_gb": (torch.cuda.max_memory_allocated() - base) / 1e9,
+        "loss": float(loss.detach()),
+        "dh": h.grad.clone(),
+        "dW": W.grad.clone(),
+    }
 
 
 def rel(a, b) -> float:
@@ -80,12 +86,14 @@ def main() -> None:
     methods = {"naive": naive, "liger": liger(), "ours": ours}
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; N={a.tokens}, V={a.vocab}, bf16")
-    print("| hidden | method | ms | extra GB | TFLOP/s | speed vs Liger | memory vs naive | loss err | dh err | dW err |")
+    print(
+        "| hidden | method | ms | extra GB | TFLOP/s | speed vs Liger | memory vs naive | loss err | dh err | dW err |"
+    )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for D in a.hidden:
         g = torch.Generator(device="cuda").manual_seed(D)
         h = (torch.randn(a.tokens, D, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-        W = (torch.randn(a.vocab, D, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
+        W = (torch.randn(a.vocab, D, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
         y = torch.randint(0, a.vocab, (a.tokens,), device="cuda", generator=g)
         y[torch.rand(a.tokens, device="cuda", generator=g) < 0.1] = -100
         res = {}
@@ -101,23 +109,41 @@ def main() -> None:
             if r is None:
                 print(f"| {D} | {name} | OOM | | | | | | | |")
                 continue
-            row = {"hidden": D, "method": name, "ms": r["ms"], "extra_gb": r["extra_gb"],
-                   "tflops": flops / r["ms"] / 1e9,
-                   "speed_vs_liger": res["liger"]["ms"] / r["ms"] if res.get("liger") else None,
-                   "memory_vs_naive": r["extra_gb"] / ref["extra_gb"] if ref else None,
-                   "loss_err": abs(r["loss"] - ref["loss"]) / ref["loss"] if ref else None,
-                   "dh_err": rel(r["dh"], ref["dh"]) if ref else None, "dW_err": rel(r["dW"], ref["dW"]) if ref else None}
+            row = {
+                "hidden": D,
+                "method": name,
+                "ms": r["ms"],
+                "extra_gb": r["extra_gb"],
+                "tflops": flops / r["ms"] / 1e9,
+                "speed_vs_liger": res["liger"]["ms"] / r["ms"] if res.get("liger") else None,
+                "memory_vs_naive": r["extra_gb"] / ref["extra_gb"] if ref else None,
+                "loss_err": abs(r["loss"] - ref["loss"]) / ref["loss"] if ref else None,
+                "dh_err": rel(r["dh"], ref["dh"]) if ref else None,
+                "dW_err": rel(r["dW"], ref["dW"]) if ref else None,
+            }
             rows.append(row)
             f = lambda v, spec: "" if v is None else format(v, spec)
-            print(f"| {D} | {name} | {r['ms']:.1f} | {r['extra_gb']:.2f} | {row['tflops']:.0f} | "
-                  f"{f(row['speed_vs_liger'], '.2f')}x | {f(row['memory_vs_naive'], '.3f')} | "
-                  f"{f(row['loss_err'], '.1e')} | "
-                  f"{f(row['dh_err'], '.1e')} | {f(row['dW_err'], '.1e')} |")
+            print(
+                f"| {D} | {name} | {r['ms']:.1f} | {r['extra_gb']:.2f} | {row['tflops']:.0f} | "
+                f"{f(row['speed_vs_liger'], '.2f')}x | {f(row['memory_vs_naive'], '.3f')} | "
+                f"{f(row['loss_err'], '.1e')} | "
+                f"{f(row['dh_err'], '.1e')} | {f(row['dW_err'], '.1e')} |"
+            )
         del h, W, y, res
         torch.cuda.empty_cache()
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                       "tokens": a.tokens, "vocab": a.vocab, "rows": rows}, indent=2))
+    Path(a.out).write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "tokens": a.tokens,
+                "vocab": a.vocab,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

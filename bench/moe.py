@@ -14,6 +14,7 @@ Writes its results (with --tune, every candidate's times and the configuration u
 ``--variant`` (default "default") of bench/results/moe.json, keeping the file's other variants
 (bench/variants.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,13 @@ def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
     def triton_way():
         return fused.unpermute(fused.permute(x, tok, inv) * 1.5, inv, w)
 
-    return {"tokens": N, "experts": E, "top_k": k, "torch_ms": timed(torch_way, [x, w]),
-            "triton_ms": timed(triton_way, [x, w])}
+    return {
+        "tokens": N,
+        "experts": E,
+        "top_k": k,
+        "torch_ms": timed(torch_way, [x, w]),
+        "triton_ms": timed(triton_way, [x, w]),
+    }
 
 
 # Candidates (2026-12-03 on the H200, y / dx / dW against torch: 128 x 128 tiles, 256 x 128,
@@ -69,15 +75,19 @@ def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
 # through descriptors made on the device, persistent; WS warp-specialised; FLAT the tile and
 # reduction loops pipelined as one; STORE 1 / 2 whole tiles stored by TMA (2: in two halves);
 # ONE (dW) one descriptor per tensor, the next group's rows zeroed in registers.
-ROWS = [dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, WS=1, num_warps=4, num_stages=4),  # the default before 2026-12-04
-        dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, num_warps=8, num_stages=3),
-        dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, STORE=2, num_warps=8, num_stages=3),
-        dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, STORE=1, num_warps=8, num_stages=3),
-        dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, STORE=2, num_warps=8, num_stages=4)]
-WEIGHTS = [dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=4),  # pointer loads, the default before 2026-12-04
-           dict(BM=64, BN=256, BK=128, TMA=True, WS=1, num_warps=4, num_stages=4),
-           dict(BM=64, BN=128, BK=256, TMA=True, WS=1, num_warps=4, num_stages=4),
-           dict(BM=64, BN=256, BK=128, TMA=True, WS=1, FLAT=1, num_warps=4, num_stages=4)]
+ROWS = [
+    dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, WS=1, num_warps=4, num_stages=4),  # the default before 2026-12-04
+    dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, num_warps=8, num_stages=3),
+    dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, STORE=2, num_warps=8, num_stages=3),
+    dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, STORE=1, num_warps=8, num_stages=3),
+    dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, STORE=2, num_warps=8, num_stages=4),
+]
+WEIGHTS = [
+    dict(BM=64, BN=128, BK=256, num_warps=8, num_stages=4),  # pointer loads, the default before 2026-12-04
+    dict(BM=64, BN=256, BK=128, TMA=True, WS=1, num_warps=4, num_stages=4),
+    dict(BM=64, BN=128, BK=256, TMA=True, WS=1, num_warps=4, num_stages=4),
+    dict(BM=64, BN=256, BK=128, TMA=True, WS=1, FLAT=1, num_warps=4, num_stages=4),
+]
 
 
 def tune(D: int, I: int) -> list[dict]:
@@ -91,18 +101,26 @@ def tune(D: int, I: int) -> list[dict]:
     offs = counts.cumsum(0).to(torch.int32)
     M = int(counts.sum())
     x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    W = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16()
+    W = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D**-0.5).bfloat16()
     dy = torch.randn(M, 2 * I, device="cuda", generator=g, dtype=torch.bfloat16)
     clock = lambda fn: median_ms(fn, reps=10, warmup=3)
-    want = {"y": grouped.gmm(x, W, offs), "dx": torch._grouped_mm(dy, W, offs=offs),
-            "dW": torch._grouped_mm(dy.T, x, offs=offs)}
-    theirs = {"y": clock(lambda: grouped.gmm(x, W, offs)), "dx": clock(lambda: torch._grouped_mm(dy, W, offs=offs)),
-              "dW": clock(lambda: torch._grouped_mm(dy.T, x, offs=offs))}
+    want = {
+        "y": grouped.gmm(x, W, offs),
+        "dx": torch._grouped_mm(dy, W, offs=offs),
+        "dW": torch._grouped_mm(dy.T, x, offs=offs),
+    }
+    theirs = {
+        "y": clock(lambda: grouped.gmm(x, W, offs)),
+        "dx": clock(lambda: torch._grouped_mm(dy, W, offs=offs)),
+        "dW": clock(lambda: torch._grouped_mm(dy.T, x, offs=offs)),
+    }
     print("torch._grouped_mm ms: " + ", ".join(f"{n} {t:.3f}" for n, t in theirs.items()), flush=True)
     tried = [{"which": "torch._grouped_mm", "ms": theirs}]
-    ours = {"y": lambda: grouped_gemm._rows_gemm(x, W, offs, False),
-            "dx": lambda: grouped_gemm._rows_gemm(dy, W, offs, True),
-            "dW": lambda: grouped_gemm._weights_gemm(dy, x, offs, E)}
+    ours = {
+        "y": lambda: grouped_gemm._rows_gemm(x, W, offs, False),
+        "dx": lambda: grouped_gemm._rows_gemm(dy, W, offs, True),
+        "dW": lambda: grouped_gemm._weights_gemm(dy, x, offs, E),
+    }
     for which, cands, gemms in [("rows", ROWS, ["y", "dx"]), ("weights", WEIGHTS, ["dW"])]:
         best, best_ms = None, float("inf")
         for cfg in cands:
@@ -115,8 +133,11 @@ def tune(D: int, I: int) -> list[dict]:
                 tried.append({"which": which, "config": cfg, "ms": None})
                 continue
             tried.append({"which": which, "config": cfg, "ms": ms, "error": err})
-            print(f"{which} {cfg}: " + ", ".join(f"{n} {t:.3f} ms ({theirs[n] / t:.2f}x torch, error {err[n]:.1e})"
-                                                for n, t in ms.items()), flush=True)
+            print(
+                f"{which} {cfg}: "
+                + ", ".join(f"{n} {t:.3f} ms ({theirs[n] / t:.2f}x torch, error {err[n]:.1e})" for n, t in ms.items()),
+                flush=True,
+            )
             if sum(ms.values()) < best_ms and max(err.values()) < 1e-2:
                 best, best_ms = cfg, sum(ms.values())
         grouped_gemm.CONFIG[which] = best
@@ -131,28 +152,40 @@ def measure(N: int, E: int, k: int, D: int, I: int) -> tuple[list[dict], dict]:
     counts = torch.bincount(idx, minlength=E)
     M = int(counts.sum())
     x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
-    W1 = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
-    W2 = (torch.randn(E, D, I, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
-    d1 = (torch.randn(D, 2 * I, device="cuda", generator=g) * D ** -0.5).bfloat16().requires_grad_()
-    d2 = (torch.randn(I, D, device="cuda", generator=g) * I ** -0.5).bfloat16().requires_grad_()
+    W1 = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
+    W2 = (torch.randn(E, D, I, device="cuda", generator=g) * I**-0.5).bfloat16().requires_grad_()
+    d1 = (torch.randn(D, 2 * I, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
+    d2 = (torch.randn(I, D, device="cuda", generator=g) * I**-0.5).bfloat16().requires_grad_()
 
     def dense():
         gate, up = (x @ d1).chunk(2, -1)
         return swiglu(gate, up) @ d2
 
-    methods = {"per-expert loop": lambda: reference.grouped_mlp(x, counts, W1, W2, swiglu),
-               "torch._grouped_mm": lambda: grouped.grouped_mlp(x, counts, W1, W2, swiglu),
-               "Triton grouped GEMM": lambda: grouped_gemm.grouped_mlp(x, counts, W1, W2, swiglu),
-               "dense GEMMs (ceiling)": dense}
+    methods = {
+        "per-expert loop": lambda: reference.grouped_mlp(x, counts, W1, W2, swiglu),
+        "torch._grouped_mm": lambda: grouped.grouped_mlp(x, counts, W1, W2, swiglu),
+        "Triton grouped GEMM": lambda: grouped_gemm.grouped_mlp(x, counts, W1, W2, swiglu),
+        "dense GEMMs (ceiling)": dense,
+    }
     ms = {name: timed(fn, [x, W1, W2, d1, d2]) for name, fn in methods.items()}
     flops = 18 * M * D * I
     rows = []
     for name, t in ms.items():
-        row = {"tokens": N, "experts": E, "top_k": k, "method": name, "ms": t, "tflops": flops / t / 1e9,
-               "vs_grouped_mm": ms["torch._grouped_mm"] / t, "vs_dense": ms["dense GEMMs (ceiling)"] / t}
+        row = {
+            "tokens": N,
+            "experts": E,
+            "top_k": k,
+            "method": name,
+            "ms": t,
+            "tflops": flops / t / 1e9,
+            "vs_grouped_mm": ms["torch._grouped_mm"] / t,
+            "vs_dense": ms["dense GEMMs (ceiling)"] / t,
+        }
         rows.append(row)
-        print(f"| {N} | {E} | {k} | {name} | {t:.2f} | {row['tflops']:.0f} | {row['vs_grouped_mm']:.2f}x | "
-              f"{row['vs_dense']:.2f}x |")
+        print(
+            f"| {N} | {E} | {k} | {name} | {t:.2f} | {row['tflops']:.0f} | {row['vs_grouped_mm']:.2f}x | "
+            f"{row['vs_dense']:.2f}x |"
+        )
     return rows, move(N, E, k, D, g)
 
 
@@ -164,10 +197,16 @@ def main() -> None:
     p.add_argument("--tune", action="store_true")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--inter", type=int, default=1024)
-    p.add_argument("--variant", default="default",
-                   help="the name this run's results are kept under in the results file (its other variants stay)")
-    p.add_argument("--out", default="bench/results/moe.json",
-                   help="the results file: the bench's own by default, another path for a trial run")
+    p.add_argument(
+        "--variant",
+        default="default",
+        help="the name this run's results are kept under in the results file (its other variants stay)",
+    )
+    p.add_argument(
+        "--out",
+        default="bench/results/moe.json",
+        help="the results file: the bench's own by default, another path for a trial run",
+    )
     a = p.parse_args()
     D, I = a.hidden, a.inter
     rows, moves, tried = [], [], []
@@ -186,11 +225,26 @@ def main() -> None:
     print("| tokens | experts | top-k | torch ms (index, index_add_) | Triton ms | torch / Triton |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for m in moves:
-        print(f"| {m['tokens']} | {m['experts']} | {m['top_k']} | {m['torch_ms']:.2f} | {m['triton_ms']:.2f} | "
-              f"{m['torch_ms'] / m['triton_ms']:.2f}x |")
-    write_variant(a.out, a.variant, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                     "hidden": D, "inter": I, "rows": rows, "permute": moves, "tune": tried,
-                                     "config": grouped_gemm.CONFIG}, "bench.moe", sys.argv[1:])
+        print(
+            f"| {m['tokens']} | {m['experts']} | {m['top_k']} | {m['torch_ms']:.2f} | {m['triton_ms']:.2f} | "
+            f"{m['torch_ms'] / m['triton_ms']:.2f}x |"
+        )
+    write_variant(
+        a.out,
+        a.variant,
+        {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "hidden": D,
+            "inter": I,
+            "rows": rows,
+            "permute": moves,
+            "tune": tried,
+            "config": grouped_gemm.CONFIG,
+        },
+        "bench.moe",
+        sys.argv[1:],
+    )
 
 
 if __name__ == "__main__":

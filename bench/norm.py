@@ -9,6 +9,7 @@ as the reference's). GB/s counts the bytes a pass must move at least: x (and the
 forward; x, dy and dx (and the gate and its gradient) for forward + backward. Median of 20 timed
 calls after 5. Baseline: the reference. Writes bench/results/norm.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,11 @@ def main(argv: list[str] | None = None) -> dict:
     for op, shape in CASES:
         g = torch.Generator(device="cuda").manual_seed(sum(shape))
         x = torch.randn(*shape, device="cuda", generator=g).bfloat16().requires_grad_()
-        gate = torch.randn(*shape, device="cuda", generator=g).bfloat16().requires_grad_() if op.startswith("gated") else None
+        gate = (
+            torch.randn(*shape, device="cuda", generator=g).bfloat16().requires_grad_()
+            if op.startswith("gated")
+            else None
+        )
         w = 1 + 0.1 * torch.randn(shape[-1], device="cuda", generator=g)
         call_args = (x, gate, w, 1e-6) if gate is not None else (x, w, 1e-6)
         inputs = [x] if gate is None else [x, gate]
@@ -48,8 +53,13 @@ def main(argv: list[str] | None = None) -> dict:
             row = pass_row(partial(fn, *call_args), inputs, dy, y, fwd_bytes, both_bytes, base)
             base = base or row
             rows.append({"op": op, "shape": "x".join(map(str, shape)), "method": name, **row})
-    return report(f"RMSNorm, bf16 x, fp32 frozen weight, {torch.cuda.get_device_name()}", rows,
-                  {"op": 15, "shape": 16, "method": 18}, BASELINE, args.out)
+    return report(
+        f"RMSNorm, bf16 x, fp32 frozen weight, {torch.cuda.get_device_name()}",
+        rows,
+        {"op": 15, "shape": 16, "method": 18},
+        BASELINE,
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ speed at <= 1.1x its peak memory).
 Writes its results as variant ``--variant`` (default "default") of bench/results/swap_core.json,
 keeping the file's other variants (bench/variants.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,22 +57,29 @@ MODES = {
     "swap core, host, kernels": MemorySpec(recompute="selective", tier="host", cache_ops=["kernels"]),
     # and the LoRA projections' outputs, kept at the call too: ~5 µs of recompute per MB, for the host
     "swap core, device, kernels+proj": MemorySpec(recompute="selective", cache_ops=["kernels", "projections"]),
-    "swap core, host, kernels+proj": MemorySpec(recompute="selective", tier="host",
-                                                cache_ops=["kernels", "projections"]),
+    "swap core, host, kernels+proj": MemorySpec(
+        recompute="selective", tier="host", cache_ops=["kernels", "projections"]
+    ),
     # the device for the last 700 (1500, 2500, 3000) MB of the forward's kept outputs, the host before them
-    "swap core, auto, kernels+proj": MemorySpec(recompute="selective", tier="auto", device_budget_mb=700,
-                                                cache_ops=["kernels", "projections"]),
-    "swap core, auto 2500, kernels+proj": MemorySpec(recompute="selective", tier="auto", device_budget_mb=2500,
-                                                     cache_ops=["kernels", "projections"]),
-    "swap core, auto 3000, kernels+proj": MemorySpec(recompute="selective", tier="auto", device_budget_mb=3000,
-                                                     cache_ops=["kernels", "projections"]),
-    "swap core, auto 1500, kernels+proj": MemorySpec(recompute="selective", tier="auto", device_budget_mb=1500,
-                                                     cache_ops=["kernels", "projections"]),
+    "swap core, auto, kernels+proj": MemorySpec(
+        recompute="selective", tier="auto", device_budget_mb=700, cache_ops=["kernels", "projections"]
+    ),
+    "swap core, auto 2500, kernels+proj": MemorySpec(
+        recompute="selective", tier="auto", device_budget_mb=2500, cache_ops=["kernels", "projections"]
+    ),
+    "swap core, auto 3000, kernels+proj": MemorySpec(
+        recompute="selective", tier="auto", device_budget_mb=3000, cache_ops=["kernels", "projections"]
+    ),
+    "swap core, auto 1500, kernels+proj": MemorySpec(
+        recompute="selective", tier="auto", device_budget_mb=1500, cache_ops=["kernels", "projections"]
+    ),
     # and the experts' grouped GEMMs (output, gate/up product, LoRA's rank-r products)
-    "swap core, host, kernels+proj+experts": MemorySpec(recompute="selective", tier="host",
-                                                        cache_ops=["kernels", "projections", "experts"]),
-    "swap core, auto 1500, kernels+proj+experts": MemorySpec(recompute="selective", tier="auto", device_budget_mb=1500,
-                                                             cache_ops=["kernels", "projections", "experts"]),
+    "swap core, host, kernels+proj+experts": MemorySpec(
+        recompute="selective", tier="host", cache_ops=["kernels", "projections", "experts"]
+    ),
+    "swap core, auto 1500, kernels+proj+experts": MemorySpec(
+        recompute="selective", tier="auto", device_budget_mb=1500, cache_ops=["kernels", "projections", "experts"]
+    ),
 }
 BASELINE = "full recompute"
 
@@ -84,13 +92,29 @@ def bench_config(size: str) -> tuple[ModelConfig, int]:
         c = ModelConfig.debug(vocab_size=512)
         c.layers, c.attn_res_block, c.vision = 4, 4, None
         return c, 128
-    c = ModelConfig(vocab_size=32000, hidden=4096, layers=4,
-                    kda=KDAConfig(heads=32, head_dim=128, gate_lower_bound=-5.0, full_rank_gate=True),
-                    dsa=DSAConfig(heads=32, q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_dim=128,
-                                  index_heads=16, index_head_dim=128, index_topk=2048, gated=True, rope=False),
-                    moe=MoEConfig(experts=64, top_k=8, inter=1024, shared=1, latent=2048, first_dense=1,
-                                  dense_inter=8192),
-                    activation="situ", attn_res=True, attn_res_block=4)
+    c = ModelConfig(
+        vocab_size=32000,
+        hidden=4096,
+        layers=4,
+        kda=KDAConfig(heads=32, head_dim=128, gate_lower_bound=-5.0, full_rank_gate=True),
+        dsa=DSAConfig(
+            heads=32,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope=128,
+            qk_rope=64,
+            v_dim=128,
+            index_heads=16,
+            index_head_dim=128,
+            index_topk=2048,
+            gated=True,
+            rope=False,
+        ),
+        moe=MoEConfig(experts=64, top_k=8, inter=1024, shared=1, latent=2048, first_dense=1, dense_inter=8192),
+        activation="situ",
+        attn_res=True,
+        attn_res_block=4,
+    )
     return c, 4096
 
 
@@ -106,10 +130,29 @@ def build(c: ModelConfig, device: torch.device, base: str = "bf16") -> HybridFor
                 p.zero_()
             else:
                 p.normal_(0, 0.02)
-    apply_lora(model, LoraSpec(rank=16, alpha=32, target_modules=[
-        "q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_b_proj", "gate_proj",
-        "up_proj", "down_proj", "latent_down", "latent_up"],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    apply_lora(
+        model,
+        LoraSpec(
+            rank=16,
+            alpha=32,
+            target_modules=[
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "g_proj",
+                "o_proj",
+                "q_a_proj",
+                "q_b_proj",
+                "kv_b_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+                "latent_down",
+                "latent_up",
+            ],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     if device.type == "cuda" and base == "bf16":
         store_frozen(model, torch.bfloat16)  # as the trainer does on one GPU
     return model.train()
@@ -171,6 +214,7 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
 
     def collector(phase, _):  # Python's own pauses inside the timed steps
         collecting.append(time.perf_counter() if phase == "start" else time.perf_counter() - collecting.pop())
+
     gc.callbacks.append(collector)
     try:
         for _ in range(steps):
@@ -185,9 +229,14 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
     with torch.no_grad():
         for p, s in zip(trainable, saved, strict=True):
             p.copy_(s)
-    out = {"step_s": statistics.median(times), "times_s": times, "gc_s": sum(collecting), "peak_gib": peak,
-           "kept_device_gib": core.peak["device"] / 2**30 if core else 0.0,
-           "kept_host_gib": core.peak["host"] / 2**30 if core else 0.0}
+    out = {
+        "step_s": statistics.median(times),
+        "times_s": times,
+        "gc_s": sum(collecting),
+        "peak_gib": peak,
+        "kept_device_gib": core.peak["device"] / 2**30 if core else 0.0,
+        "kept_host_gib": core.peak["host"] / 2**30 if core else 0.0,
+    }
     if ref is not None:
         out["grad_rel_err"] = rel_err(grads, ref)
         out["grads_bit_equal"] = all(torch.equal(grads[n], ref[n]) for n in ref)
@@ -198,7 +247,9 @@ def _profiled(model, name: str, ids, device):
     """(wall seconds, torch.profiler's ops) of one step of a mode, after a warm one."""
     _, _, opt = ready(model, MODES[name])
     step(model, opt, ids, device)  # warm
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+    )
     sync(device)
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
@@ -215,17 +266,26 @@ def profile(model, name: str, ids, device) -> None:
     wall, events, opt = _profiled(model, name, ids, device)
     cuda = device.type == "cuda"
     busy = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"\n{name}: step {1e3 * wall:.0f} ms under the profiler, device busy {busy:.0f} ms, "
-          f"{sum(e.count for e in events)} ops")
-    print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
-                       row_limit=30, max_name_column_width=48))
+    print(
+        f"\n{name}: step {1e3 * wall:.0f} ms under the profiler, device busy {busy:.0f} ms, "
+        f"{sum(e.count for e in events)} ops"
+    )
+    print(
+        events.table(
+            sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=30, max_name_column_width=48
+        )
+    )
     if name != "no recompute":
         own = lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total
         base = {e.key: (own(e), e.count) for e in _profiled(model, "no recompute", ids, device)[1]}
-        more = sorted(((own(e) - base.get(e.key, (0, 0))[0], e.count - base.get(e.key, (0, 0))[1], e.key)
-                       for e in events), reverse=True)
-        print(f"more than no recompute ({'device' if cuda else 'host'} ms, calls; the profiler lists an aten op "
-              "and its kernels both):")
+        more = sorted(
+            ((own(e) - base.get(e.key, (0, 0))[0], e.count - base.get(e.key, (0, 0))[1], e.key) for e in events),
+            reverse=True,
+        )
+        print(
+            f"more than no recompute ({'device' if cuda else 'host'} ms, calls; the profiler lists an aten op "
+            "and its kernels both):"
+        )
         for us, n, key in more[:25]:
             print(f"{us / 1e3:9.2f} {n:6d}  {key[:100]}")
         _, _, opt = ready(model, MODES[name])
@@ -238,9 +298,13 @@ def profile(model, name: str, ids, device) -> None:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
-        print(f"host syncs in a step: {sum(where.values())} ({', '.join(f'{k} x{v}' for k, v in where.most_common(12))})")
-    waits = sorted((e for e in events if (e.key.startswith("cuda") and "Sync" in e.key) or "Memcpy" in e.key),
-                   key=lambda e: -e.self_cpu_time_total)
+        print(
+            f"host syncs in a step: {sum(where.values())} ({', '.join(f'{k} x{v}' for k, v in where.most_common(12))})"
+        )
+    waits = sorted(
+        (e for e in events if (e.key.startswith("cuda") and "Sync" in e.key) or "Memcpy" in e.key),
+        key=lambda e: -e.self_cpu_time_total,
+    )
     print("host waits: " + ", ".join(f"{e.key} x{e.count} {e.self_cpu_time_total / 1e3:.1f} ms" for e in waits))
 
 
@@ -252,18 +316,37 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
-    p.add_argument("--deterministic", action="store_true",
-                   help="torch.use_deterministic_algorithms: CUDA's atomics (index_add_ in the MoE loop) "
-                        "otherwise make even two identical runs differ")
-    p.add_argument("--profile", nargs="*", default=[], choices=list(MODES),
-                   help="after the timings, one profiled step of each of these modes")
-    p.add_argument("--base", choices=["bf16", "fp32"], default="bf16",
-                   help="the frozen base weights on a GPU: bf16 as the trainer stores them, or fp32 (cast by "
-                        "autocast at every use)")
-    p.add_argument("--variant", default="default",
-                   help="the name this run's results are kept under in the results file (its other variants stay)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "swap_core.json",
-                   help="the results file: the bench's own by default, another path for a trial run")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="torch.use_deterministic_algorithms: CUDA's atomics (index_add_ in the MoE loop) "
+        "otherwise make even two identical runs differ",
+    )
+    p.add_argument(
+        "--profile",
+        nargs="*",
+        default=[],
+        choices=list(MODES),
+        help="after the timings, one profiled step of each of these modes",
+    )
+    p.add_argument(
+        "--base",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="the frozen base weights on a GPU: bf16 as the trainer stores them, or fp32 (cast by "
+        "autocast at every use)",
+    )
+    p.add_argument(
+        "--variant",
+        default="default",
+        help="the name this run's results are kept under in the results file (its other variants stay)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).parent / "results" / "swap_core.json",
+        help="the results file: the bench's own by default, another path for a trial run",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.deterministic:
@@ -289,21 +372,35 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
         print(name, results[name].get("step_s", "OOM"), flush=True)
     base = results[BASELINE]
-    print(f"\nSwap Core, hybrid {args.size} ({tokens} tokens, LoRA, {weights} base, bf16 autocast on {device}"
-          f"{', deterministic' if args.deterministic else ''}); baseline: {BASELINE}")
-    print(f"{'mode':<24} {'step ms':>9} {'speed vs full':>14} {'peak GiB':>9} {'mem vs full':>12} "
-          f"{'kept dev/host GiB':>18} {'grad err':>9}")
+    print(
+        f"\nSwap Core, hybrid {args.size} ({tokens} tokens, LoRA, {weights} base, bf16 autocast on {device}"
+        f"{', deterministic' if args.deterministic else ''}); baseline: {BASELINE}"
+    )
+    print(
+        f"{'mode':<24} {'step ms':>9} {'speed vs full':>14} {'peak GiB':>9} {'mem vs full':>12} "
+        f"{'kept dev/host GiB':>18} {'grad err':>9}"
+    )
     for name, r in results.items():
         if r.get("oom"):
             print(f"{name:<24} {'OOM':>9}")
             continue
         err = "-" if "grad_rel_err" not in r else "exact" if r["grads_bit_equal"] else f"{r['grad_rel_err']:.1e}"
-        print(f"{name:<24} {1e3 * r['step_s']:>9.1f} {base['step_s'] / r['step_s']:>13.3f}x {r['peak_gib']:>9.2f} "
-              f"{r['peak_gib'] / base['peak_gib']:>11.3f}x {r['kept_device_gib']:>8.2f}/"
-              f"{r['kept_host_gib']:<9.2f} {err:>9}")
-    report = {"size": args.size, "tokens": tokens, "device": torch.cuda.get_device_name(device)
-              if device.type == "cuda" else "cpu", "torch": torch.__version__, "config": json.loads(cfg.to_json()),
-              "deterministic": args.deterministic, "base": weights, "baseline": BASELINE, "results": results}
+        print(
+            f"{name:<24} {1e3 * r['step_s']:>9.1f} {base['step_s'] / r['step_s']:>13.3f}x {r['peak_gib']:>9.2f} "
+            f"{r['peak_gib'] / base['peak_gib']:>11.3f}x {r['kept_device_gib']:>8.2f}/"
+            f"{r['kept_host_gib']:<9.2f} {err:>9}"
+        )
+    report = {
+        "size": args.size,
+        "tokens": tokens,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": json.loads(cfg.to_json()),
+        "deterministic": args.deterministic,
+        "base": weights,
+        "baseline": BASELINE,
+        "results": results,
+    }
     write_variant(args.out, args.variant, report, "bench.swap_core", sys.argv[1:] if argv is None else argv)
     for name in args.profile:
         profile(model, name, ids, device)

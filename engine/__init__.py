@@ -2,6 +2,7 @@
 
 Importing this package does not import torch; ``train`` does.
 """
+
 from __future__ import annotations
 
 from engine.spec import JobSpec, LoraSpec, ParallelSpec, Reporter, Store, TrainResult

@@ -16,6 +16,7 @@ The YAML holds JobSpec's fields (engine/spec.py); ``lora``, ``memory`` and
 Checkpoints, the adapter and the base models live under ``--store`` (default ./kiln-data/store).
 Ctrl-C stops after the current step; ``--resume`` continues from the job's last checkpoint.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +48,11 @@ class ConsoleReporter:
 
     def metrics(self, step, values):
         total = values.get("total_steps") or step
-        line = (f"step {step}/{total} loss {values['train_loss']:.4f}"
-                + (f" valid {values['valid_loss']:.4f}" if "valid_loss" in values else "")
-                + f" {values.get('tokens_per_second', 0):.0f} tok/s")
+        line = (
+            f"step {step}/{total} loss {values['train_loss']:.4f}"
+            + (f" valid {values['valid_loss']:.4f}" if "valid_loss" in values else "")
+            + f" {values.get('tokens_per_second', 0):.0f} tok/s"
+        )
         if self.tty:
             done = int(30 * step / total)
             sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}  ")
@@ -99,8 +102,9 @@ def load_spec(path: Path, job_id: str | None) -> JobSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.cli", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m engine.cli", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fine-tune as the config says")
     t.add_argument("config", type=Path)

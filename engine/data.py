@@ -14,6 +14,7 @@ every document start: ``doc_ids_BT`` marks them).
 
 Legend: B rows, T tokens, N images in a batch, C channels, H/W pixels.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -85,9 +86,18 @@ class Dataset:
     seeked), indexed in one pass. Raises DatasetError naming line and field for bad examples
     (one over ``length``'s bound among them, with what would fit)."""
 
-    def __init__(self, path: str | Path, images: str | Path | None, tok: Tokenizer, tpl: ChatTemplate,
-                 image_size: int, image_tokens: int | None, length: LengthBound, workdir: Path,
-                 cache: ImageCache | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        images: str | Path | None,
+        tok: Tokenizer,
+        tpl: ChatTemplate,
+        image_size: int,
+        image_tokens: int | None,
+        length: LengthBound,
+        workdir: Path,
+        cache: ImageCache | None = None,
+    ):
         self.tok, self.tpl, self.image_tokens = tok, tpl, image_tokens
         self.source = DatasetSource(Path(path), Path(images) if images else None)
         self.cache = cache or ImageCache(image_size)
@@ -171,19 +181,20 @@ def split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     return sorted(perm[k:]), sorted(perm[:k])
 
 
-def epoch_batches(lengths: array, indices: list[int], batch_size: int, seed: int, epoch: int,
-                  group_by_length: bool) -> list[list[int]]:
+def epoch_batches(
+    lengths: array, indices: list[int], batch_size: int, seed: int, epoch: int, group_by_length: bool
+) -> list[list[int]]:
     """The batches of one epoch. With ``group_by_length``, examples of similar length share a
     batch (sorted within windows of 32 batches, then the batch order is shuffled)."""
     g = torch.Generator().manual_seed(seed * 1000003 + epoch)
     order = [indices[i] for i in torch.randperm(len(indices), generator=g).tolist()]
     if not group_by_length:
-        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     window = batch_size * 32
     batches = []
     for w in range(0, len(order), window):
-        chunk = sorted(order[w:w + window], key=lambda i: -lengths[i])
-        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+        chunk = sorted(order[w : w + window], key=lambda i: -lengths[i])
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
@@ -205,10 +216,15 @@ def collate(samples: list[Sample], pad_id: int, pack_to: int | None = None) -> d
         at = 0
         for d, s in enumerate(row):
             n = len(s)
-            ids[b, at:at + n], labels[b, at:at + n] = s.input_ids_T, s.labels_T
-            docs[b, at:at + n], pos[b, at:at + n] = d, torch.arange(n)
+            ids[b, at : at + n], labels[b, at : at + n] = s.input_ids_T, s.labels_T
+            docs[b, at : at + n], pos[b, at : at + n] = d, torch.arange(n)
             at += n
     pixels = torch.cat([s.pixels_NCHW for row in rows for s in row])  # in token order
     packed = pack_to is not None and any(len(row) > 1 for row in rows)
-    return {"input_ids_BT": ids, "labels_BT": labels, "pixels_NCHW": pixels,
-            "doc_ids_BT": docs if packed else None, "positions_BT": pos if packed else None}
+    return {
+        "input_ids_BT": ids,
+        "labels_BT": labels,
+        "pixels_NCHW": pixels,
+        "doc_ids_BT": docs if packed else None,
+        "positions_BT": pos if packed else None,
+    }

@@ -11,6 +11,7 @@ again here: a dataset error stays a dataset error).
 On several nodes, start this module with torchrun on each node (``--nnodes``, ``--rdzv-endpoint``)
 and a store folder every node sees; see README, "Multi-GPU and multi-node".
 """
+
 from __future__ import annotations
 
 import json
@@ -107,15 +108,35 @@ def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
         (tmp / "spec.json").write_text(spec.to_json())
         events, stop, log = tmp / "events.jsonl", tmp / "stop", tmp / "torchrun.log"
         events.touch()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.parallel.nproc}",
-               "-m", "engine.launch", str(tmp / "spec.json"), str(root), "--events", str(events), "--stop", str(stop)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                                             os.environ.get("PYTHONPATH", "")]),
-               "KILN_LAUNCHER_PID": str(os.getpid())}
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={spec.parallel.nproc}",
+            "-m",
+            "engine.launch",
+            str(tmp / "spec.json"),
+            str(root),
+            "--events",
+            str(events),
+            "--stop",
+            str(stop),
+        ]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+            "KILN_LAUNCHER_PID": str(os.getpid()),
+        }
         end = None
         with log.open("w") as out, events.open() as feed:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
             try:
                 while True:
                     done = proc.poll() is not None
@@ -137,8 +158,12 @@ def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
         if end is None:
             raise RuntimeError(f"the parallel run failed (exit code {proc.returncode}):\n{tail}")
         if proc.returncode != 0:  # rank 0 wrote the result after the adapter was stored: nothing is lost
-            reporter.message(f"a rank failed after the run had finished (exit code {proc.returncode}); "
-                             "the results were stored before, so the job stands", level="warning", data={"log": tail})
+            reporter.message(
+                f"a rank failed after the run had finished (exit code {proc.returncode}); "
+                "the results were stored before, so the job stands",
+                level="warning",
+                data={"log": tail},
+            )
         return TrainResult(**end["result"])
 
 
@@ -172,7 +197,9 @@ def main(argv: list[str]) -> NoReturn:
         result = train(spec, LocalStore(a.store), reporter, mesh)
     except Exception as e:
         if mesh.rank == 0:
-            issues = [asdict(i) for i in e.issues] if hasattr(e, "issues") else None  # a DatasetError's lines and fields
+            issues = (
+                [asdict(i) for i in e.issues] if hasattr(e, "issues") else None
+            )  # a DatasetError's lines and fields
             reporter._write("error", type=type(e).__name__, message=str(e), issues=issues)
         raise
     if mesh.rank == 0:

@@ -8,6 +8,7 @@ Expert LoRA follows PEFT's ``target_parameters``: ``lora_A`` is [E*r, in] (exper
 ``lora_B`` is [out, r*E] (rank-major); the first target parameter of a module is nested under
 ``base_layer``, as PEFT nests its wrappers.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,9 @@ class _FrozenLinear(torch.autograd.Function):
         return dy.reshape(-1, dy.shape[-1]).mm(W).view(*dy.shape[:-1], W.shape[1]), None, None
 
 
-def lora_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor,
-                scaling: float) -> torch.Tensor:
+def lora_linear(
+    x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor, scaling: float
+) -> torch.Tensor:
     """``F.linear(x, W, b) + F.linear(F.linear(x, A) * scaling, B)`` for a frozen W and b, cast as
     autocast casts it, as one autograd Function with autograd's own products and sums (dx summed in
     x's dtype, the factors' gradients in theirs). The whole output (and A x) goes through
@@ -82,6 +84,7 @@ class _LoRAProduct(torch.autograd.Function):
         def run():
             t = F.linear(xc, Ac) * s
             return F.linear(xc, W, b) + F.linear(t, Bc), t
+
         out, t = kept("projection", run)
         ctx.save_for_backward(xc, W, Ac, Bc, t)
         ctx.s, ctx.dtypes = s, (x.dtype, A.dtype, B.dtype)
@@ -119,8 +122,12 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         W, b, A = self.base.weight, self.base.bias, self.lora_A.weight
         frozen = not (W.requires_grad or b is not None and b.requires_grad)
-        if (frozen and not self.merged and isinstance(self.dropout, nn.Identity)  # (dropout draws: not kept)
-                and (torch.is_autocast_enabled(x.device.type) or x.dtype == W.dtype == A.dtype)):
+        if (
+            frozen
+            and not self.merged
+            and isinstance(self.dropout, nn.Identity)  # (dropout draws: not kept)
+            and (torch.is_autocast_enabled(x.device.type) or x.dtype == W.dtype == A.dtype)
+        ):
             return lora_linear(x, W, b, A, self.lora_B.weight, self.scaling)
         y = frozen_linear(x, W, b) if frozen else self.base(x)
         if self.merged:
@@ -230,8 +237,9 @@ def store_frozen(model: nn.Module, dtype: torch.dtype) -> int:
     ``merge`` (folding B A into a bf16 weight and out again loses bits). A module's
     ``weights_read`` names sublayers whose weights it reads as matrices: those stay as they are."""
     saved = 0
-    read = {id(t) for m in model.modules() for name in getattr(m, "weights_read", ())
-            for t in getattr(m, name).parameters()}
+    read = {
+        id(t) for m in model.modules() for name in getattr(m, "weights_read", ()) for t in getattr(m, name).parameters()
+    }
     for mname, m in model.named_modules():
         if isinstance(m, (nn.Linear, nn.Conv1d)):
             params = [m.weight, m.bias]
@@ -240,8 +248,13 @@ def store_frozen(model: nn.Module, dtype: torch.dtype) -> int:
         else:
             continue
         for t in params:
-            if (isinstance(t, nn.Parameter) and not t.requires_grad and t.is_floating_point() and t.dtype != dtype
-                    and id(t) not in read):
+            if (
+                isinstance(t, nn.Parameter)
+                and not t.requires_grad
+                and t.is_floating_point()
+                and t.dtype != dtype
+                and id(t) not in read
+            ):
                 saved += t.numel() * (t.element_size() - torch.finfo(dtype).bits // 8)
                 t.data = t.data.to(dtype)
     return saved
@@ -301,18 +314,32 @@ def load_lora_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"adapter lacks {sorted(expected - seen)[:5]}")
 
 
-def save_adapter(model: nn.Module, spec: LoraSpec, base_model: str, folder: Path,
-                 tensors: dict[str, torch.Tensor] | None = None) -> None:
+def save_adapter(
+    model: nn.Module, spec: LoraSpec, base_model: str, folder: Path, tensors: dict[str, torch.Tensor] | None = None
+) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(lora_state(model, tensors), str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout,
-        "target_modules": sorted(spec.target_modules), "target_parameters": list(spec.target_parameters) or None,
-        "bias": "none", "fan_in_fan_out": False,
-        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
-        "use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {},
-        "layers_to_transform": None, "layers_pattern": None, "revision": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": sorted(spec.target_modules),
+        "target_parameters": list(spec.target_parameters) or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "revision": None,
     }
     (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
 

@@ -1,5 +1,6 @@
 """A reporter that keeps everything in memory, for the engine's own uses: benchmarks and tests.
 (The service's reporter writes to the database: workers/reporting.py.)"""
+
 from __future__ import annotations
 
 from typing import Any

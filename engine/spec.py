@@ -3,6 +3,7 @@
 The spec round-trips through JSON (``to_json``/``from_json``): it is what a job runs with, and
 nothing in it refers to the database or the API.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ class LoraSpec:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                 "gate_proj", "up_proj", "down_proj"])
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     # Grouped expert weights, PEFT's names: "mlp.experts.gate_up_proj", "mlp.experts.down_proj".
     target_parameters: list[str] = field(default_factory=list)
 
@@ -35,6 +37,7 @@ class MemorySpec:
     none | fp8 | int8: keep 16-bit outputs in one byte an element with a scale per 32.
     ``blocks``: which sublayers of each decoder layer are recomputed (attention, mlp); the others
     keep their activations as without recompute."""
+
     recompute: Literal["none", "full", "selective"] = "none"
     cache_ops: list[str] = field(default_factory=lambda: ["kernels"])
     tier: Literal["device", "host", "auto"] = "device"
@@ -49,6 +52,7 @@ class ParallelSpec:
     are split (``ep_size`` divides ``nproc`` and the expert count) and how many consecutive
     ranks share one sequence (``cp_size``, context parallel: each takes a contiguous slice of the
     step's rows laid end to end; divides ``nproc``). 1: one process, as always."""
+
     nproc: int = 1
     ep_size: int = 1
     cp_size: int = 1
@@ -59,9 +63,13 @@ def check_parallel(p: ParallelSpec) -> None:
     if not isinstance(p.nproc, int) or p.nproc < 1:
         raise ValueError(f"parallel.nproc must be a positive integer, got {p.nproc!r}")
     if not isinstance(p.ep_size, int) or p.ep_size < 1 or p.nproc % p.ep_size:
-        raise ValueError(f"parallel.ep_size must be a positive divisor of parallel.nproc ({p.nproc}), got {p.ep_size!r}")
+        raise ValueError(
+            f"parallel.ep_size must be a positive divisor of parallel.nproc ({p.nproc}), got {p.ep_size!r}"
+        )
     if not isinstance(p.cp_size, int) or p.cp_size < 1 or p.nproc % p.cp_size:
-        raise ValueError(f"parallel.cp_size must be a positive divisor of parallel.nproc ({p.nproc}), got {p.cp_size!r}")
+        raise ValueError(
+            f"parallel.cp_size must be a positive divisor of parallel.nproc ({p.nproc}), got {p.cp_size!r}"
+        )
 
 
 @dataclass

@@ -7,6 +7,7 @@ The objects alive when the loop starts (model, data, optimizer) are frozen out o
 cyclic collector, whose full passes over them otherwise land inside some steps and stall them; a
 worker runs many jobs, so they are unfrozen when the job ends.
 """
+
 from __future__ import annotations
 
 import gc
@@ -68,8 +69,16 @@ class Trainer:
         self.ranks.place(model, self.objective.full, reporter)
         if self.swap is not None:
             m = spec.memory
-            reporter.message(f"Recompute: {m.recompute}" + (f", keeping {', '.join(m.cache_ops)} outputs on the {m.tier} tier"
-                             + (f" as {m.quantize}" if m.quantize != "none" else "") if m.recompute == "selective" else ""), data=asdict(m))
+            reporter.message(
+                f"Recompute: {m.recompute}"
+                + (
+                    f", keeping {', '.join(m.cache_ops)} outputs on the {m.tier} tier"
+                    + (f" as {m.quantize}" if m.quantize != "none" else "")
+                    if m.recompute == "selective"
+                    else ""
+                ),
+                data=asdict(m),
+            )
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._describe(total_params, n_train)
 
@@ -86,16 +95,21 @@ class Trainer:
         tok = load_tokenizer(self.model_dir)
         self.tpl = tpl = chat_template(tok)
         length = LengthBound(spec.model, position_limit(model), spec.max_seq_len)
-        image_size, image_tokens = getattr(model, "image_size", 0), getattr(model, "image_tokens", None)  # None: text only
+        image_size, image_tokens = (
+            getattr(model, "image_size", 0),
+            getattr(model, "image_tokens", None),
+        )  # None: text only
         self.reporter.message("Indexing the dataset")
         cache = ImageCache(image_size)
-        self.train_set = Dataset(spec.training_file, spec.images_file, tok, tpl, image_size, image_tokens, length,
-                                 self.work, cache)
+        self.train_set = Dataset(
+            spec.training_file, spec.images_file, tok, tpl, image_size, image_tokens, length, self.work, cache
+        )
         self.train_idx, self.valid_idx = split(len(self.train_set), spec.validation_split, spec.seed)
         self.valid_set = self.train_set
         if spec.validation_file:
-            self.valid_set = Dataset(spec.validation_file, spec.images_file, tok, tpl, image_size, image_tokens,
-                                     length, self.work, cache)
+            self.valid_set = Dataset(
+                spec.validation_file, spec.images_file, tok, tpl, image_size, image_tokens, length, self.work, cache
+            )
             self.valid_idx = list(range(len(self.valid_set)))
         # rows of the job's bound; without one (no position limit, no max_seq_len) of the longest example
         max_len = length.bound or max(max(d.lengths) for d in {self.train_set, self.valid_set})
@@ -105,16 +119,24 @@ class Trainer:
     def _describe(self, total_params: int, n_train: int) -> None:
         spec, hp = self.spec, self.hp
         tokens_per_epoch = sum(self.train_set.lengths[i] for i in self.train_idx)
-        if isinstance(self.model.config, ModelConfig):  # the hybrid family counts from its config: active parameters too
+        if isinstance(
+            self.model.config, ModelConfig
+        ):  # the hybrid family counts from its config: active parameters too
             counts = count_parameters(self.model.config)
-            self.reporter.message(f"{spec.model}: {counts['total']:,} parameters, {counts['active']:,} active per token",
-                                  data=counts)
+            self.reporter.message(
+                f"{spec.model}: {counts['total']:,} parameters, {counts['active']:,} active per token", data=counts
+            )
         self.reporter.message(
             f"Model {spec.model}: {total_params:,} parameters, LoRA trains {n_train:,} "
             f"({100 * n_train / total_params:.2f}%); {len(self.train_idx)} training examples "
             f"({tokens_per_epoch:,} tokens), {len(self.valid_idx)} validation examples, {hp.total_steps} steps "
             f"on {self.ranks.where()}" + (f", packed into rows of {self.pack_to} tokens" if self.pack_to else ""),
-            data={"total_parameters": total_params, "trainable_parameters": n_train, "tokens_per_epoch": tokens_per_epoch})
+            data={
+                "total_parameters": total_params,
+                "trainable_parameters": n_train,
+                "tokens_per_epoch": tokens_per_epoch,
+            },
+        )
         self.reporter.resolved(hp.public())
 
     def step(self) -> dict:
@@ -123,38 +145,55 @@ class Trainer:
         hp, spec = self.hp, self.spec
         epoch, index = divmod(self.step_no, hp.steps_per_epoch)
         if self.order[0] != epoch:
-            self.order = (epoch, epoch_batches(self.train_set.lengths, self.train_idx, hp.batch_size, spec.seed, epoch,
-                                               spec.group_by_length))
+            self.order = (
+                epoch,
+                epoch_batches(
+                    self.train_set.lengths, self.train_idx, hp.batch_size, spec.seed, epoch, spec.group_by_length
+                ),
+            )
         samples = [self.train_set[i] for i in self.order[1][index]]
-        loss, n, right, seen, rows = accumulate(self.model, samples, spec.gradient_accumulation_steps, self.tpl.pad_id,
-                                                self.pack_to, self.ranks)
+        loss, n, right, seen, rows = accumulate(
+            self.model, samples, spec.gradient_accumulation_steps, self.tpl.pad_id, self.pack_to, self.ranks
+        )
         grad_norm = self.ranks.clip(self.trainable, 1.0)
         if torch.isfinite(grad_norm):
             self.opt.step()
         else:
             # seen on the H200 in bf16: a finite loss, an overflowed backward; one bad step must not poison the weights
             self.skipped += 1
-            self.reporter.message(f"Step {self.step_no + 1}: the gradient is not finite; the update was skipped "
-                                  f"({self.skipped} so far)", level="warn",
-                                  data={"step": self.step_no + 1, "skipped_steps": self.skipped})
+            self.reporter.message(
+                f"Step {self.step_no + 1}: the gradient is not finite; the update was skipped ({self.skipped} so far)",
+                level="warn",
+                data={"step": self.step_no + 1, "skipped_steps": self.skipped},
+            )
         self.objective.after_update(self.model, self.ranks)
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.step_no += 1
         self.tokens += seen
-        metrics = {"step": self.step_no, "total_steps": hp.total_steps, "epoch": epoch + 1, "train_loss": float(loss),
-                   "train_mean_token_accuracy": right / max(n, 1), "learning_rate": self.sched.get_last_lr()[0],
-                   "grad_norm": float(grad_norm), "tokens_per_second": seen / (time.perf_counter() - t0),
-                   "trained_tokens": self.tokens, "rows": rows, "skipped_steps": self.skipped,
-                   "peak_memory_mb": peak_memory_mb(self.ranks.device)}
+        metrics = {
+            "step": self.step_no,
+            "total_steps": hp.total_steps,
+            "epoch": epoch + 1,
+            "train_loss": float(loss),
+            "train_mean_token_accuracy": right / max(n, 1),
+            "learning_rate": self.sched.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "tokens_per_second": seen / (time.perf_counter() - t0),
+            "trained_tokens": self.tokens,
+            "rows": rows,
+            "skipped_steps": self.skipped,
+            "peak_memory_mb": peak_memory_mb(self.ranks.device),
+        }
         if self.swap is not None and self.swap.ops:  # what Swap Core kept at its fullest this step
             metrics.update({f"swap_{tier}_mb": self.swap.peak[tier] / 2**20 for tier in ("device", "host")})
             self.swap.reset_peaks()
         return metrics
 
     def evaluate(self) -> dict:
-        return evaluate(self.model, self.valid_set, self.valid_idx, self.hp.batch_size, self.tpl.pad_id, self.pack_to,
-                        self.ranks)
+        return evaluate(
+            self.model, self.valid_set, self.valid_idx, self.hp.batch_size, self.tpl.pad_id, self.pack_to, self.ranks
+        )
 
     def run(self) -> TrainResult:
         self.setup()
@@ -164,8 +203,9 @@ class Trainer:
             while self.step_no < self.hp.total_steps:
                 reason = self.ranks.stop(self.reporter)
                 if reason:
-                    return TrainResult("stopped", trained_tokens=self.tokens, stop_reason=reason,
-                                       final_metrics=self.metrics)
+                    return TrainResult(
+                        "stopped", trained_tokens=self.tokens, stop_reason=reason, final_metrics=self.metrics
+                    )
                 self.metrics = metrics = self.step()
                 step = self.step_no
                 is_ckpt = step % self.hp.checkpoint_interval == 0 or step == self.hp.total_steps
@@ -175,12 +215,15 @@ class Trainer:
                 if is_ckpt:
                     key = f"{self.spec.artifacts}/checkpoints/step-{step:07d}"
                     self.checkpointer.save(key, self.model, self.opt, self.sched, step, self.tokens)
-                    self.reporter.checkpoint(step, key, {k: v for k, v in metrics.items() if "loss" in k or "accuracy" in k})
+                    self.reporter.checkpoint(
+                        step, key, {k: v for k, v in metrics.items() if "loss" in k or "accuracy" in k}
+                    )
         finally:
             for d in {self.train_set, self.valid_set}:
                 d.close()
-        return self.objective.finish(self.model, self.ranks, self.store, self.model_dir, self.step_no, self.hp,
-                                     self.tokens, self.metrics)
+        return self.objective.finish(
+            self.model, self.ranks, self.store, self.model_dir, self.step_no, self.hp, self.tokens, self.metrics
+        )
 
 
 def train(spec: JobSpec, store: Store, reporter: Reporter, mesh=None) -> TrainResult:

@@ -1,22 +1,34 @@
 """Kiln's Python SDK and command line. Imports neither torch nor the server.
 
-    from kiln import Client
+from kiln import Client
 """
+
 from kiln.client import Client, Page
 from kiln.errors import (
-                         APIConnectionError,
-                         APIStatusError,
-                         AuthenticationError,
-                         BadRequestError,
-                         ConflictError,
-                         InternalServerError,
-                         KilnError,
-                         NotFoundError,
-                         PayloadTooLargeError,
-                         RateLimitError,
+    APIConnectionError,
+    APIStatusError,
+    AuthenticationError,
+    BadRequestError,
+    ConflictError,
+    InternalServerError,
+    KilnError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RateLimitError,
 )
 
 __version__ = "0.1.0"
-__all__ = ["Client", "Page", "KilnError", "APIConnectionError", "APIStatusError", "AuthenticationError",
-           "BadRequestError", "ConflictError", "InternalServerError", "NotFoundError", "PayloadTooLargeError",
-           "RateLimitError"]
+__all__ = [
+    "Client",
+    "Page",
+    "KilnError",
+    "APIConnectionError",
+    "APIStatusError",
+    "AuthenticationError",
+    "BadRequestError",
+    "ConflictError",
+    "InternalServerError",
+    "NotFoundError",
+    "PayloadTooLargeError",
+    "RateLimitError",
+]

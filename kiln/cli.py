@@ -10,6 +10,7 @@ Server and key from --base-url/--api-key or KILN_BASE_URL/KILN_API_KEY. ``--json
 one JSON document per line instead of text (``--watch`` adds a line per event). Exit status: 0 ok,
 1 job failed or cancelled, 2 error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     cr.add_argument("--seed", type=int)
     cr.add_argument("--watch", action="store_true", help="follow the job until it ends")
     sub.add_parser("jobs", help="list jobs")
-    for name, helptext in (("get", "show a job"), ("watch", "follow a job live until it ends"),
-                           ("cancel", "cancel a job")):
+    for name, helptext in (
+        ("get", "show a job"),
+        ("watch", "follow a job live until it ends"),
+        ("cancel", "cancel a job"),
+    ):
         sp = sub.add_parser(name, help=helptext)
         sp.add_argument("job_id")
     lg = sub.add_parser("logs", help="a job's events, oldest first")
@@ -103,8 +107,10 @@ def _validate(args, out: Out) -> int:
         out({"ok": False, "issues": [vars(i) for i in e.issues]}, str(e))
         return 1
     has_images = args.images or source.jsonl_member
-    report = validate(source.lines(), (lambda r: None if source.has_image(r) else source.missing_image_message(r))
-                      if has_images else None)
+    report = validate(
+        source.lines(),
+        (lambda r: None if source.has_image(r) else source.missing_image_message(r)) if has_images else None,
+    )
     source.close()
     text = "\n".join(str(i) for i in report.issues) or f"ok: {report.stats()}"
     out({"ok": report.ok, "stats": report.stats(), "issues": [vars(i) for i in report.issues]}, text)
@@ -121,19 +127,38 @@ def run(argv: list[str] | None = None) -> int:
             f = c.files.upload(args.path, args.purpose, progress=not args.json and sys.stderr.isatty())
             out(f, f"{f.id}  {f.filename}  {f.bytes} bytes  {f.stats}")
         elif args.cmd == "create":
-            hp = {k: v for k, v in (("n_epochs", args.epochs), ("batch_size", args.batch_size),
-                                    ("learning_rate_multiplier", args.lr_multiplier)) if v is not None}
+            hp = {
+                k: v
+                for k, v in (
+                    ("n_epochs", args.epochs),
+                    ("batch_size", args.batch_size),
+                    ("learning_rate_multiplier", args.lr_multiplier),
+                )
+                if v is not None
+            }
             lora = {k: v for k, v in (("rank", args.lora_rank), ("alpha", args.lora_alpha)) if v is not None}
-            job = c.jobs.create(args.model, args.training_file, validation_file=args.validation_file,
-                                images_file=args.images_file, hyperparameters=hp or None, lora=lora or None,
-                                suffix=args.suffix, seed=args.seed)
+            job = c.jobs.create(
+                args.model,
+                args.training_file,
+                validation_file=args.validation_file,
+                images_file=args.images_file,
+                hyperparameters=hp or None,
+                lora=lora or None,
+                suffix=args.suffix,
+                seed=args.seed,
+            )
             out(job, f"{job.id}  {job.status}")
             if args.watch:
                 return _watch(c, job.id, out)
         elif args.cmd == "jobs":
             jobs = list(c.jobs.list())
-            out(jobs, "\n".join(f"{j.id}  {j.status:16} {j.model}  {_ts(j.created_at)}  {j.fine_tuned_model or ''}"
-                                for j in jobs) or "no jobs")
+            out(
+                jobs,
+                "\n".join(
+                    f"{j.id}  {j.status:16} {j.model}  {_ts(j.created_at)}  {j.fine_tuned_model or ''}" for j in jobs
+                )
+                or "no jobs",
+            )
         elif args.cmd == "get":
             j = c.jobs.get(args.job_id)
             out(j, json.dumps(j.model_dump(), indent=2, default=str))
@@ -161,7 +186,10 @@ def run(argv: list[str] | None = None) -> int:
         elif args.cmd == "keys":
             if args.keys_cmd == "list":
                 ks = c.keys.list()
-                out(ks, "\n".join(f"{k.id}  {k.prefix}…  {'revoked' if k.revoked_at else 'active'}  {k.name}" for k in ks))
+                out(
+                    ks,
+                    "\n".join(f"{k.id}  {k.prefix}…  {'revoked' if k.revoked_at else 'active'}  {k.name}" for k in ks),
+                )
             elif args.keys_cmd == "create":
                 k = c.keys.create(args.name)
                 out(k, f"{k.secret}\n(id {k.id}; the key is shown only now)")
@@ -175,8 +203,11 @@ def _watch(c: Client, job_id: str, out: Out) -> int:
     if out.as_json:
         job = c.jobs.wait(job_id, on_event=lambda ev: out(ev, ""))
     else:
-        job = c.jobs.wait(job_id, progress=sys.stderr.isatty(),
-                          on_event=None if sys.stderr.isatty() else lambda ev: print(_event_line(ev), flush=True))
+        job = c.jobs.wait(
+            job_id,
+            progress=sys.stderr.isatty(),
+            on_event=None if sys.stderr.isatty() else lambda ev: print(_event_line(ev), flush=True),
+        )
     out(job, f"{job.id}  {job.status}  {job.fine_tuned_model or (job.error.message if job.error else '')}")
     return 0 if job.status == "succeeded" else 1
 

@@ -11,6 +11,7 @@ Connection errors, 408, 429 and 5xx answers are retried with exponential backoff
 one Idempotency-Key across its retries, so it is never applied twice); other errors raise the
 exception class of their status, carrying the server's message.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,13 +48,24 @@ class Page(Generic[T]):
         page: Page[T] | None = self
         while page is not None:
             yield from page.data
-            page = (Page(self._client, self._path, self._cls, {**self._params, "after": page.data[-1].id})
-                    if page.has_more and page.data else None)
+            page = (
+                Page(self._client, self._path, self._cls, {**self._params, "after": page.data[-1].id})
+                if page.has_more and page.data
+                else None
+            )
 
 
 class Client:
-    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
-                 max_retries: int = 3, backoff: float = 0.5, http_client: httpx.Client | None = None):
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        backoff: float = 0.5,
+        http_client: httpx.Client | None = None,
+    ):
         self.base_url = (base_url or os.environ.get("KILN_BASE_URL") or DEFAULT_URL).rstrip("/")
         self.api_key = api_key or os.environ.get("KILN_API_KEY")
         if not self.api_key:
@@ -74,20 +86,36 @@ class Client:
 
     def _sleep(self, attempt: int, response: httpx.Response | None) -> None:
         after = response.headers.get("retry-after") if response is not None else None
-        delay = float(after) if after and after.replace(".", "", 1).isdigit() else self.backoff * 2 ** attempt
+        delay = float(after) if after and after.replace(".", "", 1).isdigit() else self.backoff * 2**attempt
         time.sleep(min(delay, 30.0) * (0.75 + random.random() / 2))
 
-    def request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
-                content: Callable[[], Any] | None = None, headers: dict | None = None,
-                stream: bool = False, timeout: float | None | object = ...) -> httpx.Response:
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict | None = None,
+        content: Callable[[], Any] | None = None,
+        headers: dict | None = None,
+        stream: bool = False,
+        timeout: float | None | object = ...,
+    ) -> httpx.Response:
         """Send with retries. ``content`` is a factory: a streamed body is rebuilt for each try."""
         hdrs = {"Authorization": f"Bearer {self.api_key}", **(headers or {})}
         if method == "POST":
             hdrs.setdefault("Idempotency-Key", f"kiln-{uuid.uuid4()}")
         extra = {} if timeout is ... else {"timeout": timeout}
         for attempt in range(self.max_retries + 1):
-            req = self._http.build_request(method, self.base_url + path, json=json, params=params,
-                                           content=content() if content else None, headers=hdrs, **extra)
+            req = self._http.build_request(
+                method,
+                self.base_url + path,
+                json=json,
+                params=params,
+                content=content() if content else None,
+                headers=hdrs,
+                **extra,
+            )
             try:
                 resp = self._http.send(req, stream=stream)
             except httpx.TransportError as e:
@@ -97,8 +125,9 @@ class Client:
                 continue
             if resp.status_code < 400:
                 return resp
-            retry = ((resp.status_code in RETRY_STATUS or resp.status_code >= 500)
-                     and resp.headers.get("x-should-retry") != "false")
+            retry = (resp.status_code in RETRY_STATUS or resp.status_code >= 500) and resp.headers.get(
+                "x-should-retry"
+            ) != "false"
             if retry and attempt < self.max_retries:
                 resp.close()
                 self._sleep(attempt, resp)
@@ -128,15 +157,18 @@ class Files:
     def __init__(self, client: Client):
         self._c = client
 
-    def upload(self, path: str | Path, purpose: str = "fine-tune",
-               progress: bool | Callable[[int, int], None] = False) -> FileObject:
+    def upload(
+        self, path: str | Path, purpose: str = "fine-tune", progress: bool | Callable[[int, int], None] = False
+    ) -> FileObject:
         """Stream a file up. ``progress``: True for a bar on stderr, or a callback(sent, total)."""
         path = Path(path)
         total = path.stat().st_size
         boundary = uuid.uuid4().hex
-        head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n{purpose}\r\n"
-                f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{path.name}\"\r\n"
-                f"Content-Type: application/octet-stream\r\n\r\n").encode()
+        head = (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n{purpose}\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{path.name}"\r\n'
+            f"Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
         tail = f"\r\n--{boundary}--\r\n".encode()
         report = _bar(f"upload {path.name}", total) if progress is True else (progress or None)
 
@@ -151,8 +183,10 @@ class Files:
                         report(sent, total)
             yield tail
 
-        headers = {"Content-Type": f"multipart/form-data; boundary={boundary}",
-                   "Content-Length": str(len(head) + total + len(tail))}
+        headers = {
+            "Content-Type": f"multipart/form-data; boundary={boundary}",
+            "Content-Length": str(len(head) + total + len(tail)),
+        }
         return FileObject(**self._c._json("POST", "/v1/files", content=body, headers=headers))
 
     def list(self, purpose: str | None = None, limit: int = 100) -> Page[FileObject]:
@@ -172,14 +206,33 @@ class Jobs:
     def __init__(self, client: Client):
         self._c = client
 
-    def create(self, model: str, training_file: str, *, validation_file: str | None = None,
-               images_file: str | None = None, hyperparameters: dict[str, Any] | None = None,
-               lora: dict[str, Any] | None = None, suffix: str | None = None, seed: int | None = None,
-               metadata: dict[str, str] | None = None) -> Job:
-        body = {"model": model, "training_file": training_file, "validation_file": validation_file,
-                "images_file": images_file, "hyperparameters": hyperparameters, "lora": lora,
-                "suffix": suffix, "seed": seed, "metadata": metadata}
-        return Job(**self._c._json("POST", "/v1/fine_tuning/jobs", json={k: v for k, v in body.items() if v is not None}))
+    def create(
+        self,
+        model: str,
+        training_file: str,
+        *,
+        validation_file: str | None = None,
+        images_file: str | None = None,
+        hyperparameters: dict[str, Any] | None = None,
+        lora: dict[str, Any] | None = None,
+        suffix: str | None = None,
+        seed: int | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> Job:
+        body = {
+            "model": model,
+            "training_file": training_file,
+            "validation_file": validation_file,
+            "images_file": images_file,
+            "hyperparameters": hyperparameters,
+            "lora": lora,
+            "suffix": suffix,
+            "seed": seed,
+            "metadata": metadata,
+        }
+        return Job(
+            **self._c._json("POST", "/v1/fine_tuning/jobs", json={k: v for k, v in body.items() if v is not None})
+        )
 
     def list(self, limit: int = 20) -> Page[Job]:
         return Page(self._c, "/v1/fine_tuning/jobs", Job, {"limit": limit})
@@ -203,8 +256,12 @@ class Jobs:
         cursor, failures = after, 0
         while True:
             try:
-                with self._c.stream("GET", f"/v1/fine_tuning/jobs/{job_id}/events/stream",
-                                    headers={"Last-Event-ID": str(cursor)}, timeout=None) as resp:
+                with self._c.stream(
+                    "GET",
+                    f"/v1/fine_tuning/jobs/{job_id}/events/stream",
+                    headers={"Last-Event-ID": str(cursor)},
+                    timeout=None,
+                ) as resp:
                     kind, ident = None, None
                     for line in resp.iter_lines():
                         if line.startswith("event: "):
@@ -279,10 +336,12 @@ class Keys:
 
 def _bar(label: str, total: int) -> Callable[..., None]:
     """A one-line progress bar on stderr: report(done, total, note='')."""
+
     def report(done: int, total_now: int = total, note: str = "") -> None:
         width = 30
         frac = done / total_now if total_now else 0.0
         fill = int(width * frac)
         sys.stderr.write(f"\r{label} [{'#' * fill}{'.' * (width - fill)}] {done}/{total_now or '?'} {note}  ")
         sys.stderr.flush()
+
     return report

@@ -11,6 +11,7 @@ Both normalise to :class:`Example`: string contents with one ``<image>`` placeho
 the images as references (a path relative to the dataset root, or a ``data:`` URL). Every problem
 is an :class:`Issue` naming the line (1-based) and the field, e.g. ``messages[1].role``.
 """
+
 from __future__ import annotations
 
 import base64
@@ -89,12 +90,21 @@ class Report:
         self.histogram[bound] = self.histogram.get(bound, 0) + 1
 
     def stats(self) -> dict:
-        out = {"examples": self.examples, "messages": self.messages, "images": self.images,
-               "characters": self.characters, "max_example_characters": self.max_characters}
+        out = {
+            "examples": self.examples,
+            "messages": self.messages,
+            "images": self.images,
+            "characters": self.characters,
+            "max_example_characters": self.max_characters,
+        }
         if self.tokens is not None:
-            out.update(tokens=self.tokens, target_tokens=self.target_tokens, max_example_tokens=self.max_tokens,
-                       mean_example_tokens=round(self.tokens / max(self.examples, 1), 1),
-                       length_histogram=[{"max_tokens": k, "examples": v} for k, v in sorted(self.histogram.items())])
+            out.update(
+                tokens=self.tokens,
+                target_tokens=self.target_tokens,
+                max_example_tokens=self.max_tokens,
+                mean_example_tokens=round(self.tokens / max(self.examples, 1), 1),
+                length_histogram=[{"max_tokens": k, "examples": v} for k, v in sorted(self.histogram.items())],
+            )
         return out
 
 
@@ -147,7 +157,9 @@ def _content_parts(content: list, where: str, issues: list[Issue], line: int) ->
             text.append(IMAGE_TOKEN)
             images.append(url)
         else:
-            issues.append(Issue(line, f"{pw}.type", f"unknown content part type {kind!r}; expected 'text' or 'image_url'"))
+            issues.append(
+                Issue(line, f"{pw}.type", f"unknown content part type {kind!r}; expected 'text' or 'image_url'")
+            )
     return "".join(text), images
 
 
@@ -232,14 +244,17 @@ class LengthBound:
     the job's ``max_seq_len`` when it sets one, else the model's position limit; a model
     without one (``limit`` None: Kimi Linear, KDA + NoPE attention) takes any length that fits.
     A ``max_seq_len`` over the model's limit is a ValueError naming both."""
+
     model: str
     limit: int | None  # the model's position limit
     requested: int | None = None  # the job's max_seq_len
 
     def __post_init__(self) -> None:
         if self.requested is not None and self.limit is not None and self.requested > self.limit:
-            raise ValueError(f"max_seq_len {self.requested} is over {self.model}'s position limit of {self.limit} "
-                             f"tokens; use at most {self.limit}, or a model without a position limit")
+            raise ValueError(
+                f"max_seq_len {self.requested} is over {self.model}'s position limit of {self.limit} "
+                f"tokens; use at most {self.limit}, or a model without a position limit"
+            )
 
     @property
     def bound(self) -> int | None:
@@ -267,9 +282,14 @@ def iter_lines(lines: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
             yield n, raw
 
 
-def validate(lines: Iterable[bytes], check_image: Callable[[str], str | None] | None = None,
-             max_line_bytes: int = 8 << 20, max_issues: int = 100,
-             tokenize: Callable[[Example], tuple[int, int]] | None = None, length: LengthBound | None = None) -> Report:
+def validate(
+    lines: Iterable[bytes],
+    check_image: Callable[[str], str | None] | None = None,
+    max_line_bytes: int = 8 << 20,
+    max_issues: int = 100,
+    tokenize: Callable[[Example], tuple[int, int]] | None = None,
+    length: LengthBound | None = None,
+) -> Report:
     """Check every line in one pass. ``check_image(ref)`` says why a referenced image is missing
     or unreadable; ``tokenize(example)`` gives (tokens, target tokens), which adds token counts to
     the report and, with ``length``, an issue for every example that is too long."""
@@ -331,8 +351,13 @@ class DatasetSource:
             preferred = [n for n in names if posixpath.basename(n) == "train.jsonl"]
             if len(preferred) != 1:
                 listed = ", ".join(names[:5])
-                raise DatasetError([Issue(0, "", f"the archive holds several .jsonl files ({listed}): "
-                                                 "keep one or name it train.jsonl")])
+                raise DatasetError(
+                    [
+                        Issue(
+                            0, "", f"the archive holds several .jsonl files ({listed}): keep one or name it train.jsonl"
+                        )
+                    ]
+                )
             names = preferred
         return names[0]
 
@@ -375,8 +400,10 @@ class DatasetSource:
 
     def missing_image_message(self, ref: str) -> str:
         if self._zip is None and self._images is None:
-            return (f"image {ref!r} not found: upload the images as a zip and pass it as images_file, "
-                    "or upload one zip holding the JSONL and its images")
+            return (
+                f"image {ref!r} not found: upload the images as a zip and pass it as images_file, "
+                "or upload one zip holding the JSONL and its images"
+            )
         return f"image {ref!r} not found in the uploaded archive"
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
 """Exceptions of the SDK: one class per HTTP status, carrying the server's error."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,19 +27,43 @@ class APIStatusError(KilnError):
 
 
 class BadRequestError(APIStatusError): ...
+
+
 class AuthenticationError(APIStatusError): ...
+
+
 class PermissionDeniedError(APIStatusError): ...
+
+
 class NotFoundError(APIStatusError): ...
+
+
 class ConflictError(APIStatusError): ...
+
+
 class PayloadTooLargeError(APIStatusError): ...
+
+
 class UnprocessableEntityError(APIStatusError): ...
+
+
 class RateLimitError(APIStatusError): ...
+
+
 class InternalServerError(APIStatusError): ...
 
 
-_BY_STATUS = {400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError,
-              409: ConflictError, 413: PayloadTooLargeError, 415: BadRequestError, 422: UnprocessableEntityError,
-              429: RateLimitError}
+_BY_STATUS = {
+    400: BadRequestError,
+    401: AuthenticationError,
+    403: PermissionDeniedError,
+    404: NotFoundError,
+    409: ConflictError,
+    413: PayloadTooLargeError,
+    415: BadRequestError,
+    422: UnprocessableEntityError,
+    429: RateLimitError,
+}
 
 
 def from_response(status_code: int, body: dict[str, Any] | None) -> APIStatusError:

@@ -6,6 +6,7 @@ the workers and the engine's command line all use it.
 - ``models/<name>``: base models (config.json + safetensors).
 - ``tmp/``: uploads and artifacts in progress; nothing there is ever read as a result.
 """
+
 from __future__ import annotations
 
 import hashlib

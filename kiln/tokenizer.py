@@ -9,6 +9,7 @@ tokenizer has (Kimi, DeepSeek, ChatML, or Kiln's own for the byte tokenizer), an
 ``encode_chat`` marks as training targets exactly the assistant tokens (and their end token)
 of messages with weight 1.
 """
+
 from __future__ import annotations
 
 import base64
@@ -21,8 +22,10 @@ from kiln.dataset import IMAGE_TOKEN, Example
 
 BYTE_SPECIALS = ("<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>", "<|image|>")
 # A split regex for tiktoken files that carry none (the GPT-4 one; Kimi's config names its own).
-DEFAULT_PAT = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
-               r"""\s*[\r\n]|\s+(?!\S)|\s+""")
+DEFAULT_PAT = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
+    r"""\s*[\r\n]|\s+(?!\S)|\s+"""
+)
 
 
 class Tokenizer(Protocol):
@@ -86,8 +89,12 @@ class TiktokenTokenizer:
                 token, rank = line.split()
                 ranks[base64.b64decode(token)] = int(rank)
         specials = {v["content"]: int(k) for k, v in (config.get("added_tokens_decoder") or {}).items()}
-        self._enc = tiktoken.Encoding(name=path.parent.name or "model", pat_str=config.get("pat_str", DEFAULT_PAT),
-                                      mergeable_ranks=ranks, special_tokens=specials)
+        self._enc = tiktoken.Encoding(
+            name=path.parent.name or "model",
+            pat_str=config.get("pat_str", DEFAULT_PAT),
+            mergeable_ranks=ranks,
+            special_tokens=specials,
+        )
         self._specials = specials
         self.vocab_size = max([*ranks.values(), *specials.values()]) + 1
 
@@ -132,8 +139,9 @@ def chat_template(tok: Tokenizer) -> ChatTemplate:
     if s("<｜User｜>") is not None:  # DeepSeek V3
         bos = s("<｜begin▁of▁sentence｜>")
         start = {"system": [], "user": [s("<｜User｜>")], "assistant": [s("<｜Assistant｜>")]}
-        return ChatTemplate("deepseek", [bos] if bos is not None else [], start, [s("<｜end▁of▁sentence｜>")],
-                            s("<｜image｜>"), pad)
+        return ChatTemplate(
+            "deepseek", [bos] if bos is not None else [], start, [s("<｜end▁of▁sentence｜>")], s("<｜image｜>"), pad
+        )
     if s("<|im_start|>") is not None:  # ChatML
         start = {r: [s("<|im_start|>"), *tok.encode(f"{r}\n")] for r in ("system", "user", "assistant")}
         return ChatTemplate("chatml", [], start, [s("<|im_end|>"), *tok.encode("\n")], s("<|image_pad|>"), pad)

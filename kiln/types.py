@@ -1,5 +1,6 @@
 """Typed response objects. Unknown fields are kept (``model_extra``) so a newer server's
 additions are not lost."""
+
 from __future__ import annotations
 
 from typing import Any

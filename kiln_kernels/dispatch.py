@@ -1,6 +1,7 @@
 """Which implementation of an op runs: the Triton kernel on CUDA, the PyTorch reference
 elsewhere (the CPU, float64 inputs, or ``KILN_KERNELS=reference`` anywhere, to compare or to
 debug), and the hook through which Swap Core keeps a kernel's outputs (``kept``)."""
+
 from __future__ import annotations
 
 import os

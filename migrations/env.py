@@ -1,4 +1,5 @@
 """Alembic environment: the URL comes from Kiln's settings unless the caller set one."""
+
 from alembic import context
 
 from api.db import make_engine
@@ -15,8 +16,9 @@ if context.is_offline_mode():
 else:
     engine = make_engine(url)
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=Base.metadata,
-                          render_as_batch=url.startswith("sqlite"))
+        context.configure(
+            connection=connection, target_metadata=Base.metadata, render_as_batch=url.startswith("sqlite")
+        )
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -3,6 +3,7 @@ counting and colour questions, plus plain-text arithmetic chats; train/validatio
 
     python scripts/make_sample.py
 """
+
 from __future__ import annotations
 
 import io
@@ -33,8 +34,12 @@ def example(rng: random.Random, split: str, i: int, images: dict[str, bytes]) ->
     kind = rng.random()
     if kind < 0.35:
         a, b = rng.randint(0, 20), rng.randint(0, 20)
-        return {"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
-                             {"role": "assistant", "content": str(a + b)}]}
+        return {
+            "messages": [
+                {"role": "user", "content": f"What is {a} + {b}?"},
+                {"role": "assistant", "content": str(a + b)},
+            ]
+        }
     shape, color, count = rng.choice(["circle", "square"]), rng.choice(list(COLORS)), rng.randint(1, 5)
     name = f"images/{split}_{i:04d}.png"
 
@@ -45,8 +50,10 @@ def example(rng: random.Random, split: str, i: int, images: dict[str, bytes]) ->
         q, a = f"How many {shape}s are in the image?", str(count)
     else:
         q, a = f"What colour are the {shape}s?", color
-    return {"images": [name], "messages": [{"role": "user", "content": f"<image>\n{q}"},
-                                           {"role": "assistant", "content": a}]}
+    return {
+        "images": [name],
+        "messages": [{"role": "user", "content": f"<image>\n{q}"}, {"role": "assistant", "content": a}],
+    }
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """Drive one fine-tune through the HTTP API: upload the sample dataset, start a job, follow its
 live events, download the adapter. Used by scripts/quickstart.sh."""
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,15 @@ def main() -> int:
         print(f"uploaded {name}: {f['id']} ({f['bytes']} bytes, {f['stats'].get('examples', 0)} examples)")
         return f["id"]
 
-    body = {"model": "kiln-tiny", "training_file": upload("train.jsonl"), "validation_file": upload("validation.jsonl"),
-            "images_file": upload("images.zip"), "suffix": "quickstart", "seed": 42,
-            "hyperparameters": {"n_epochs": args.epochs, "batch_size": 8}}
+    body = {
+        "model": "kiln-tiny",
+        "training_file": upload("train.jsonl"),
+        "validation_file": upload("validation.jsonl"),
+        "images_file": upload("images.zip"),
+        "suffix": "quickstart",
+        "seed": 42,
+        "hyperparameters": {"n_epochs": args.epochs, "batch_size": 8},
+    }
     r = c.post("/v1/fine_tuning/jobs", json=body)
     if r.status_code != 200:
         print(r.json()["error"]["message"], file=sys.stderr)
@@ -74,8 +81,10 @@ def main() -> int:
             for chunk in r.iter_bytes():
                 f.write(chunk)
     names = zipfile.ZipFile(args.out).namelist()
-    print(f"\n{job['fine_tuned_model']}: training loss {losses[0]:.3f} -> {sum(losses[-5:]) / 5:.3f} "
-          f"over {len(losses)} steps, {job['trained_tokens']} tokens")
+    print(
+        f"\n{job['fine_tuned_model']}: training loss {losses[0]:.3f} -> {sum(losses[-5:]) / 5:.3f} "
+        f"over {len(losses)} steps, {job['trained_tokens']} tokens"
+    )
     print(f"adapter saved to {args.out}: {', '.join(names)}")
     return 0
 

@@ -78,5 +78,11 @@ def all_events(c, job_id: str) -> list[dict]:
 
 def finished(c, job_id: str, timeout: float = 240) -> dict:
     """Wait until the job has ended; return it."""
-    return wait_for(lambda: (j := c.get(f"/v1/fine_tuning/jobs/{job_id}").json())["status"]
-                    in ("succeeded", "failed", "cancelled") and j, timeout=timeout, what=f"{job_id} to finish")
+    return wait_for(
+        lambda: (
+            (j := c.get(f"/v1/fine_tuning/jobs/{job_id}").json())["status"] in ("succeeded", "failed", "cancelled")
+            and j
+        ),
+        timeout=timeout,
+        what=f"{job_id} to finish",
+    )

@@ -8,6 +8,7 @@ FSDP2 and expert parallel as a real run applies them; or (``--world 1``, no torc
 
 Writes (rank 0) the step's loss, target count and the whole LoRA gradients to ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,15 @@ def build(kind: str = "kimi") -> tuple[torch.nn.Module, list[Sample]]:
     else:
         model = KimiLinearForCausalLM(kimi_linear_tiny_config())
         init_kimi_linear(model, 5)
-    apply_lora(model, LoraSpec(rank=4, target_modules=["q_proj", "k_proj", "o_proj", "kv_b_proj", "gate_proj"]
-                               + (["q_b_proj"] if kind == "hybrid" else []),
-                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    apply_lora(
+        model,
+        LoraSpec(
+            rank=4,
+            target_modules=["q_proj", "k_proj", "o_proj", "kv_b_proj", "gate_proj"]
+            + (["q_b_proj"] if kind == "hybrid" else []),
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     with torch.no_grad():  # B = 0 at init would leave A without a gradient
         for p in model.parameters():
             if p.requires_grad:
@@ -70,9 +77,17 @@ def step(model, samples, mesh, device) -> dict:
 
         from engine.parallel.fsdp import global_view
 
-        grads = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in global_view(model, mesh, grads).items()}
-    return {"loss": float(loss), "targets": n, "right": right, "seen": seen, "rows": rows,
-            "grads": {k: v.detach().cpu() for k, v in grads.items()}}
+        grads = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in global_view(model, mesh, grads).items()
+        }
+    return {
+        "loss": float(loss),
+        "targets": n,
+        "right": right,
+        "seen": seen,
+        "rows": rows,
+        "grads": {k: v.detach().cpu() for k, v in grads.items()},
+    }
 
 
 def main() -> None:

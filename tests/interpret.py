@@ -5,6 +5,7 @@ imported (tests/unit/test_kernels_interpreted.py starts such a process).
 Triton 3.6's interpreter holds scalars as one-element arrays and turns them into loop bounds with
 ``int(array)``, which NumPy >= 2.3 refuses for arrays of one dimension; the patch takes the
 element instead."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,9 @@ import torch
 
 INTERPRETED = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
-needs_kernels = pytest.mark.skipif(not INTERPRETED and not torch.cuda.is_available(),
-                                   reason="needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
+needs_kernels = pytest.mark.skipif(
+    not INTERPRETED and not torch.cuda.is_available(), reason="needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
+)
 gpu_only = pytest.mark.skipif(INTERPRETED, reason="bf16 and large shapes: not in the interpreter")
 
 if INTERPRETED:

@@ -7,6 +7,7 @@ of a small hybrid model, parallelized (FSDP2 + expert parallel), or a DCP save /
 Rank 0 writes the loss and the whole (gathered) gradients or parameters to ``--out``.
 ``build`` and ``step_loss`` are shared with the single-process reference in the test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,14 @@ def build(mode: str, seed: int = 0) -> tuple[HybridForCausalLM, dict]:
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.1)
     if mode == "lora":
-        apply_lora(model, LoraSpec(rank=4, target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"],
-                                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+        apply_lora(
+            model,
+            LoraSpec(
+                rank=4,
+                target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            ),
+        )
         with torch.no_grad():  # B = 0 at init would leave A without a gradient
             for p in model.parameters():
                 if p.requires_grad:
@@ -53,8 +60,13 @@ def build(mode: str, seed: int = 0) -> tuple[HybridForCausalLM, dict]:
 def step_loss(model, data: dict, rows: list[int], n_total: int, device: torch.device) -> torch.Tensor:
     """One rank's share of the step's loss: the summed cross-entropy of its rows over the
     whole step's target count, and the DSA indexers' loss weighted by the rows' share of targets."""
-    batch = {"input_ids_BT": data["ids"][rows], "labels_BT": data["labels"][rows], "doc_ids_BT": None,
-             "positions_BT": None, "pixels_NCHW": torch.zeros(0)}
+    batch = {
+        "input_ids_BT": data["ids"][rows],
+        "labels_BT": data["labels"][rows],
+        "doc_ids_BT": None,
+        "positions_BT": None,
+        "pixels_NCHW": torch.zeros(0),
+    }
     loss, n, _ = batch_loss(model, batch, device)
     extra = model.indexer_loss()  # None where no indexer learns (LoRA leaves them out)
     return (loss + extra if extra is not None else loss) * (n / n_total)
@@ -71,8 +83,13 @@ def state(model, mesh, opt) -> dict:
     from engine.parallel.fsdp import full_tensors, global_view
 
     moments = {n: opt.state[q]["exp_avg"] for n, q in model.named_parameters() if q in opt.state}
-    return {"params": full_tensors(model, mesh), "exp_avg": {
-        n: (t.full_tensor() if isinstance(t, DTensor) else t).cpu() for n, t in global_view(model, mesh, moments).items()}}
+    return {
+        "params": full_tensors(model, mesh),
+        "exp_avg": {
+            n: (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+            for n, t in global_view(model, mesh, moments).items()
+        },
+    }
 
 
 def main() -> None:
@@ -124,7 +141,9 @@ def main() -> None:
     total = loss.detach().clone()
     dist.all_reduce(total)
     grads = {n: q.grad for n, q in model.named_parameters() if q.requires_grad}
-    grads = {n: (g.full_tensor() if isinstance(g, DTensor) else g).cpu() for n, g in global_view(model, mesh, grads).items()}
+    grads = {
+        n: (g.full_tensor() if isinstance(g, DTensor) else g).cpu() for n, g in global_view(model, mesh, grads).items()
+    }
     opt.step()
     out = {"loss": float(total), "grads": grads, **state(model, mesh, opt)}
     if a.save:

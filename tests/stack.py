@@ -1,5 +1,6 @@
 """Start the real service for a test: a fresh database, the API under uvicorn and Celery worker
 processes, each a separate OS process talking over real sockets."""
+
 from __future__ import annotations
 
 import os
@@ -42,10 +43,18 @@ class Stack:
 
     def __init__(self, home: Path, database_url: str, broker_url: str, **settings: str):
         self.home = home
-        self.env = {**os.environ, "KILN_HOME": str(home), "KILN_DATABASE_URL": database_url,
-                    "KILN_BROKER_URL": broker_url, "KILN_QUEUE": f"kiln-test-{uuid.uuid4().hex[:8]}",
-                    "KILN_LEASE_SECONDS": "6", "KILN_HEARTBEAT_SECONDS": "1", "KILN_REAPER_SECONDS": "1",
-                    "PYTHONUNBUFFERED": "1", **{f"KILN_{k.upper()}": str(v) for k, v in settings.items()}}
+        self.env = {
+            **os.environ,
+            "KILN_HOME": str(home),
+            "KILN_DATABASE_URL": database_url,
+            "KILN_BROKER_URL": broker_url,
+            "KILN_QUEUE": f"kiln-test-{uuid.uuid4().hex[:8]}",
+            "KILN_LEASE_SECONDS": "6",
+            "KILN_HEARTBEAT_SECONDS": "1",
+            "KILN_REAPER_SECONDS": "1",
+            "PYTHONUNBUFFERED": "1",
+            **{f"KILN_{k.upper()}": str(v) for k, v in settings.items()},
+        }
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api: subprocess.Popen | None = None
@@ -59,23 +68,45 @@ class Stack:
         return self.home / "store"
 
     def admin(self, *args: str) -> str:
-        out = subprocess.run([sys.executable, "-m", "api.admin", *args], env=self.env, cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-m", "api.admin", *args],
+            env=self.env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
     def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
         log = open(self.logs / f"{name}.log", "ab")
-        return subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
     def start(self, workers: int = 1) -> Stack:
         self.admin("migrate")
         for owner in ("alice", "bob"):
             self.keys[owner] = self.admin("create-key", "--owner", owner, "--name", "test")
-        self.api = self._spawn("api", [sys.executable, "-m", "uvicorn", "--factory", "api.app:create_app",
-                                       "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
-                                       "--timeout-keep-alive", "75"])
+        self.api = self._spawn(
+            "api",
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "--factory",
+                "api.app:create_app",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                "--timeout-keep-alive",
+                "75",
+            ],
+        )
         for _ in range(workers):
             self.start_worker()
         deadline = time.time() + 60
@@ -89,10 +120,26 @@ class Stack:
 
     def start_worker(self) -> subprocess.Popen:
         n = len(self.workers)
-        w = self._spawn(f"worker{n}", [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
-                                       "--pool=solo", "--loglevel=INFO", "-Q", self.env["KILN_QUEUE"],
-                                       "-n", f"w{n}-{uuid.uuid4().hex[:6]}@%h", "--without-gossip",
-                                       "--without-mingle", "--without-heartbeat"])
+        w = self._spawn(
+            f"worker{n}",
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "workers.celery_app",
+                "worker",
+                "--pool=solo",
+                "--loglevel=INFO",
+                "-Q",
+                self.env["KILN_QUEUE"],
+                "-n",
+                f"w{n}-{uuid.uuid4().hex[:6]}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+        )
         self.workers.append(w)
         return w
 
@@ -101,8 +148,12 @@ class Stack:
         w.wait(timeout=30)
 
     def client(self, owner: str = "alice", **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {self.keys[owner]}"},
-                            timeout=kw.pop("timeout", 60), **kw)
+        return httpx.Client(
+            base_url=self.base_url,
+            headers={"Authorization": f"Bearer {self.keys[owner]}"},
+            timeout=kw.pop("timeout", 60),
+            **kw,
+        )
 
     def log(self, name: str) -> str:
         p = self.logs / f"{name}.log"

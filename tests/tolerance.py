@@ -1,5 +1,6 @@
 """The kernel tolerance of ARCHITECTURE.md: relative Frobenius error against a reference, in
 float64; a NaN or an infinity never passes."""
+
 from __future__ import annotations
 
 import torch

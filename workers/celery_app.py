@@ -3,6 +3,7 @@
 The solo pool runs the job in the worker process itself (no fork after torch is loaded); run
 one worker process per device set.
 """
+
 from __future__ import annotations
 
 from celery.signals import worker_ready, worker_shutdown

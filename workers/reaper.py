@@ -4,6 +4,7 @@ queued jobs whose message never reached the broker or got lost there.
 Every worker runs one; the guarded UPDATE makes sure a job is re-sent once per period however
 many reapers see it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,11 +24,19 @@ log = logging.getLogger("kiln.reaper")
 def reap_once() -> list[str]:
     settings, t = get_settings(), time.time()
     stale = or_(
-        and_(Job.status == "running", Job.lease_expires < t,
-             or_(Job.enqueued_at.is_(None), Job.enqueued_at < t - settings.lease_seconds)),
-        and_(Job.status == "queued", Job.lease_token.is_(None),
-             or_(and_(Job.enqueued_at.is_(None), Job.created_at < t - 5),
-                 Job.enqueued_at < t - settings.requeue_queued_after_seconds)),
+        and_(
+            Job.status == "running",
+            Job.lease_expires < t,
+            or_(Job.enqueued_at.is_(None), Job.enqueued_at < t - settings.lease_seconds),
+        ),
+        and_(
+            Job.status == "queued",
+            Job.lease_token.is_(None),
+            or_(
+                and_(Job.enqueued_at.is_(None), Job.created_at < t - 5),
+                Job.enqueued_at < t - settings.requeue_queued_after_seconds,
+            ),
+        ),
     )
     sent = []
     with session_scope() as s:
@@ -39,9 +48,14 @@ def reap_once() -> list[str]:
                 continue
             status = s.scalar(select(Job.status).where(Job.id == job_id))
             if status == "running":
-                s.add(JobEvent(job_id=job_id, level="warn",
-                               message="The worker stopped responding; the job is queued again and resumes from "
-                                       "its last checkpoint"))
+                s.add(
+                    JobEvent(
+                        job_id=job_id,
+                        level="warn",
+                        message="The worker stopped responding; the job is queued again and resumes from "
+                        "its last checkpoint",
+                    )
+                )
         if queue.enqueue(job_id):
             sent.append(job_id)
         else:

@@ -1,5 +1,6 @@
 """The reporter the engine calls: every call is a small committed write, fenced by the lease
 token so a worker that lost its job cannot write into it."""
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,7 @@ def _retrying(write):
             if not e.connection_invalidated or attempt == 3:
                 raise
             log.warning("database connection lost; retrying (%s)", e.orig)
-            time.sleep(0.5 * 2 ** attempt)
+            time.sleep(0.5 * 2**attempt)
 
 
 class DBReporter:
@@ -41,7 +42,11 @@ class DBReporter:
 
     def metrics(self, step: int, values: dict[str, Any]) -> None:
         loss = values.get("train_loss")
-        text = f"Step {step}/{values.get('total_steps', '?')}: training loss={loss:.4f}" if loss is not None else f"Step {step}"
+        text = (
+            f"Step {step}/{values.get('total_steps', '?')}: training loss={loss:.4f}"
+            if loss is not None
+            else f"Step {step}"
+        )
         if "valid_loss" in values:
             text += f", validation loss={values['valid_loss']:.4f}"
         _retrying(lambda s: s.add(JobEvent(job_id=self.job_id, message=text, type="metrics", data=values)))
@@ -51,6 +56,7 @@ class DBReporter:
             s.execute(delete(Checkpoint).where(Checkpoint.job_id == self.job_id, Checkpoint.step == step))
             s.add(Checkpoint(job_id=self.job_id, step=step, store_key=key, metrics=metrics))
             s.add(JobEvent(job_id=self.job_id, message=f"Checkpoint saved at step {step}", data={"step": step}))
+
         _retrying(write)
 
     def resolved(self, hyperparameters: dict[str, Any]) -> None:
@@ -58,10 +64,17 @@ class DBReporter:
 
     def _resolved(self, s: Session, hyperparameters: dict[str, Any]) -> None:
         job = s.scalar(select(Job).where(Job.id == self.job_id))
-        job.hyperparameters = {**job.hyperparameters, **{k: hyperparameters[k] for k in
-                               ("n_epochs", "batch_size", "learning_rate_multiplier")}}
-        s.add(JobEvent(job_id=self.job_id, message="Hyperparameters: " + ", ".join(
-            f"{k}={v}" for k, v in hyperparameters.items()), data=hyperparameters))
+        job.hyperparameters = {
+            **job.hyperparameters,
+            **{k: hyperparameters[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")},
+        }
+        s.add(
+            JobEvent(
+                job_id=self.job_id,
+                message="Hyperparameters: " + ", ".join(f"{k}={v}" for k, v in hyperparameters.items()),
+                data=hyperparameters,
+            )
+        )
 
     def should_stop(self) -> str | None:
         if self.lease_lost:
@@ -69,8 +82,9 @@ class DBReporter:
         now = time.monotonic()
         if self._stop is None and now >= self._next_poll:
             self._next_poll = now + self.poll_seconds
-            row = _retrying(lambda s: s.execute(
-                select(Job.cancel_requested, Job.lease_token).where(Job.id == self.job_id)).one())
+            row = _retrying(
+                lambda s: s.execute(select(Job.cancel_requested, Job.lease_token).where(Job.id == self.job_id)).one()
+            )
             if row.lease_token != self.token:
                 self._stop = "lease_lost"
             elif row.cancel_requested:
@@ -79,5 +93,11 @@ class DBReporter:
 
     def fenced_update(self, **values: Any) -> bool:
         """Update the job only while this worker still holds its lease."""
-        return _retrying(lambda s: s.execute(
-            update(Job).where(Job.id == self.job_id, Job.lease_token == self.token).values(**values)).rowcount == 1)
+        return _retrying(
+            lambda s: (
+                s.execute(
+                    update(Job).where(Job.id == self.job_id, Job.lease_token == self.token).values(**values)
+                ).rowcount
+                == 1
+            )
+        )

@@ -3,6 +3,7 @@
 Safe to run twice for the same job id: the lease lets one worker at a time train it, and a
 finished job is left alone. A job whose worker died is resumed from its last checkpoint.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,10 +29,15 @@ def claim(job_id: str, token: str) -> Job | None:
     """Take the job's lease if nobody holds a live one. Returns the job, now running."""
     settings, t = get_settings(), time.time()
     with session_scope() as s:
-        res = s.execute(update(Job).where(
-            Job.id == job_id, Job.status.in_(("queued", "running")),
-            or_(Job.lease_expires.is_(None), Job.lease_expires < t),
-        ).values(lease_token=token, lease_expires=t + settings.lease_seconds, attempt=Job.attempt + 1))
+        res = s.execute(
+            update(Job)
+            .where(
+                Job.id == job_id,
+                Job.status.in_(("queued", "running")),
+                or_(Job.lease_expires.is_(None), Job.lease_expires < t),
+            )
+            .values(lease_token=token, lease_expires=t + settings.lease_seconds, attempt=Job.attempt + 1)
+        )
         if res.rowcount != 1:
             return None
         job = s.scalar(select(Job).where(Job.id == job_id))
@@ -42,14 +48,19 @@ def claim(job_id: str, token: str) -> Job | None:
         first = job.status == "queued"
         job.status = "running"
         job.started_at = job.started_at or now()
-        s.add(JobEvent(job_id=job_id, message="Fine-tuning job started" if first else
-                       f"Worker restarted the job (attempt {job.attempt})"))
+        s.add(
+            JobEvent(
+                job_id=job_id,
+                message="Fine-tuning job started" if first else f"Worker restarted the job (attempt {job.attempt})",
+            )
+        )
         return job
 
 
 def build_spec(job: Job) -> JobSpec:
     store = get_store()
     with session_scope() as s:
+
         def path(file_id: str | None) -> str | None:
             if file_id is None:
                 return None
@@ -59,16 +70,28 @@ def build_spec(job: Job) -> JobSpec:
         last = s.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc()).limit(1))
         hp = job.hyperparameters
         return JobSpec(
-            job_id=job.id, model=job.model, training_file=path(job.training_file),
-            validation_file=path(job.validation_file), images_file=path(job.images_file),
-            n_epochs=hp.get("n_epochs", "auto"), batch_size=hp.get("batch_size", "auto"),
+            job_id=job.id,
+            model=job.model,
+            training_file=path(job.training_file),
+            validation_file=path(job.validation_file),
+            images_file=path(job.images_file),
+            n_epochs=hp.get("n_epochs", "auto"),
+            batch_size=hp.get("batch_size", "auto"),
             learning_rate_multiplier=hp.get("learning_rate_multiplier", "auto"),
-            checkpoint_interval=hp.get("checkpoint_interval"), max_steps=hp.get("max_steps"),
-            max_seq_len=hp.get("max_seq_len"), warmup_ratio=hp.get("warmup_ratio", 0.05), seed=job.seed,
-            gradient_accumulation_steps=hp.get("gradient_accumulation_steps", 1), packing=hp.get("packing", True), group_by_length=hp.get("group_by_length", False),
+            checkpoint_interval=hp.get("checkpoint_interval"),
+            max_steps=hp.get("max_steps"),
+            max_seq_len=hp.get("max_seq_len"),
+            warmup_ratio=hp.get("warmup_ratio", 0.05),
+            seed=job.seed,
+            gradient_accumulation_steps=hp.get("gradient_accumulation_steps", 1),
+            packing=hp.get("packing", True),
+            group_by_length=hp.get("group_by_length", False),
             validation_split=0.0 if job.validation_file else hp.get("validation_split", 0.0),
-            lora=LoraSpec(**job.lora), memory=MemorySpec(**hp.get("memory", {})),
-            parallel=ParallelSpec(**hp.get("parallel", {})), resume_from=last.store_key if last else None)
+            lora=LoraSpec(**job.lora),
+            memory=MemorySpec(**hp.get("memory", {})),
+            parallel=ParallelSpec(**hp.get("parallel", {})),
+            resume_from=last.store_key if last else None,
+        )
 
 
 class Heartbeat(threading.Thread):
@@ -108,21 +131,36 @@ def run_job(job_id: str) -> str:
         spec = build_spec(job)
         result = engine.train(spec, get_store(), reporter)
     except DatasetError as e:
-        finish(reporter, "failed", f"Dataset error: {e}", level="error",
-               error={"code": "invalid_training_file", "message": str(e), "param": "training_file"})
+        finish(
+            reporter,
+            "failed",
+            f"Dataset error: {e}",
+            level="error",
+            error={"code": "invalid_training_file", "message": str(e), "param": "training_file"},
+        )
         return "failed"
     except Exception as e:
         log.exception("job %s failed", job_id)
-        finish(reporter, "failed", f"Training failed: {type(e).__name__}: {e}", level="error",
-               error={"code": "training_error", "message": f"{type(e).__name__}: {e}", "param": None})
+        finish(
+            reporter,
+            "failed",
+            f"Training failed: {type(e).__name__}: {e}",
+            level="error",
+            error={"code": "training_error", "message": f"{type(e).__name__}: {e}", "param": None},
+        )
         return "failed"
     finally:
         beat.done.set()
     if result.status == "succeeded":
         suffix = job.suffix or ""
-        finish(reporter, "succeeded", "The job has successfully completed", adapter_key=result.adapter_key,
-               trained_tokens=result.trained_tokens,
-               fine_tuned_model=f"ft:{job.model}:{job.owner}:{suffix}:{job.id.removeprefix('ftjob-')[:12]}")
+        finish(
+            reporter,
+            "succeeded",
+            "The job has successfully completed",
+            adapter_key=result.adapter_key,
+            trained_tokens=result.trained_tokens,
+            fine_tuned_model=f"ft:{job.model}:{job.owner}:{suffix}:{job.id.removeprefix('ftjob-')[:12]}",
+        )
         return "succeeded"
     if result.stop_reason == "cancel":
         finish(reporter, "cancelled", "Job cancelled", trained_tokens=result.trained_tokens)

@@ -1,4 +1,5 @@
 """Celery tasks: thin wrappers that take ids only and call plain functions."""
+
 from __future__ import annotations
 
 from api.queue import RUN_TASK

@@ -1,4 +1,5 @@
 """Adapter downloads: the final adapter, or any checkpoint's, as a zip in the PEFT layout."""
+
 from __future__ import annotations
 
 import os
@@ -25,19 +26,35 @@ def _name(model: str) -> str:
 
 
 @router.get("/{job_id}/adapter")
-def download_adapter(job_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session),
-                     store: LocalStore = Depends(get_store)):
+def download_adapter(
+    job_id: str,
+    owner: str = Depends(current_owner),
+    session: Session = Depends(get_session),
+    store: LocalStore = Depends(get_store),
+):
     job = services.get_job(session, owner, job_id)
     if job.status != "succeeded" or not job.adapter_key:
-        raise ApiError(409, f"Job {job_id} is {job.status}: the adapter is ready once it has succeeded "
-                       "(checkpoint adapters are under /checkpoints/{id}/adapter)", code="adapter_not_ready")
-    return FileResponse(store.path(job.adapter_key), media_type="application/zip",
-                        filename=f"{_name(job.fine_tuned_model or job.id)}.zip")
+        raise ApiError(
+            409,
+            f"Job {job_id} is {job.status}: the adapter is ready once it has succeeded "
+            "(checkpoint adapters are under /checkpoints/{id}/adapter)",
+            code="adapter_not_ready",
+        )
+    return FileResponse(
+        store.path(job.adapter_key),
+        media_type="application/zip",
+        filename=f"{_name(job.fine_tuned_model or job.id)}.zip",
+    )
 
 
 @router.get("/{job_id}/checkpoints/{ckpt_id}/adapter")
-def download_checkpoint_adapter(job_id: str, ckpt_id: str, owner: str = Depends(current_owner),
-                                session: Session = Depends(get_session), store: LocalStore = Depends(get_store)):
+def download_checkpoint_adapter(
+    job_id: str,
+    ckpt_id: str,
+    owner: str = Depends(current_owner),
+    session: Session = Depends(get_session),
+    store: LocalStore = Depends(get_store),
+):
     job = services.get_job(session, owner, job_id)
     ckpt = services.get_checkpoint(session, job, ckpt_id)
     folder = store.path(ckpt.store_key)
@@ -47,5 +64,9 @@ def download_checkpoint_adapter(job_id: str, ckpt_id: str, owner: str = Depends(
         for name in ADAPTER_FILES:
             if (folder / name).exists():
                 zf.write(folder / name, name)
-    return FileResponse(tmp, media_type="application/zip", filename=f"{job.id}-step-{ckpt.step}.zip",
-                        background=BackgroundTask(os.unlink, tmp))
+    return FileResponse(
+        tmp,
+        media_type="application/zip",
+        filename=f"{job.id}-step-{ckpt.step}.zip",
+        background=BackgroundTask(os.unlink, tmp),
+    )

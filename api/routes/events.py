@@ -4,6 +4,7 @@ Each event is ``id: <cursor>``, ``event: message|metrics|status``, ``data: <even
 that reconnects with ``Last-Event-ID`` continues where it stopped; the stream ends with an
 ``end`` event once the job has finished and every event was sent.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,11 +70,19 @@ async def _frames(job_id: str, cursor: int):
 
 
 @router.get("/{job_id}/events/stream")
-def stream_events(job_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session),
-                  last_event_id: str | None = Header(None, alias="Last-Event-ID"), after: int = Query(0, ge=0)):
+def stream_events(
+    job_id: str,
+    owner: str = Depends(current_owner),
+    session: Session = Depends(get_session),
+    last_event_id: str | None = Header(None, alias="Last-Event-ID"),
+    after: int = Query(0, ge=0),
+):
     job = services.get_job(session, owner, job_id)
     cursor = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
     cursor = min(cursor, MAX_CURSOR)  # past every event: nothing old, only what comes next
     session.close()
-    return StreamingResponse(_frames(job.id, cursor), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        _frames(job.id, cursor),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -1,4 +1,5 @@
 """/v1/fine_tuning/jobs: create, list, retrieve, cancel, events, checkpoints."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Header, Query
@@ -17,8 +18,13 @@ router = APIRouter(prefix="/v1/fine_tuning/jobs")
 
 
 @router.post("")
-def create_job(req: JobCreate, owner: str = Depends(current_owner), session: Session = Depends(get_session),
-               store: LocalStore = Depends(get_store), idem: str | None = Header(None, alias="Idempotency-Key")):
+def create_job(
+    req: JobCreate,
+    owner: str = Depends(current_owner),
+    session: Session = Depends(get_session),
+    store: LocalStore = Depends(get_store),
+    idem: str | None = Header(None, alias="Idempotency-Key"),
+):
     prior = services.replay(session, owner, idem, "POST /v1/fine_tuning/jobs")
     if prior:
         return prior
@@ -31,8 +37,12 @@ def create_job(req: JobCreate, owner: str = Depends(current_owner), session: Ses
 
 
 @router.get("")
-def list_jobs(owner: str = Depends(current_owner), session: Session = Depends(get_session),
-              after: str | None = None, limit: int = Query(20)):
+def list_jobs(
+    owner: str = Depends(current_owner),
+    session: Session = Depends(get_session),
+    after: str | None = None,
+    limit: int = Query(20),
+):
     rows, more = services.paginate(session, select(Job).where(Job.owner == owner), Job, after, limit)
     return page([job_public(j) for j in rows], more)
 
@@ -48,16 +58,26 @@ def cancel_job(job_id: str, owner: str = Depends(current_owner), session: Sessio
 
 
 @router.get("/{job_id}/events")
-def list_events(job_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session),
-                after: str | None = None, limit: int = Query(20)):
+def list_events(
+    job_id: str,
+    owner: str = Depends(current_owner),
+    session: Session = Depends(get_session),
+    after: str | None = None,
+    limit: int = Query(20),
+):
     job = services.get_job(session, owner, job_id)
     rows, more = services.list_events(session, job, after, limit)
     return page([event_public(e) for e in rows], more)
 
 
 @router.get("/{job_id}/checkpoints")
-def list_checkpoints(job_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session),
-                     after: str | None = None, limit: int = Query(10)):
+def list_checkpoints(
+    job_id: str,
+    owner: str = Depends(current_owner),
+    session: Session = Depends(get_session),
+    after: str | None = None,
+    limit: int = Query(10),
+):
     job = services.get_job(session, owner, job_id)
     rows, more = services.list_checkpoints(session, job, after, limit)
     return page([checkpoint_public(c, job) for c in rows], more)

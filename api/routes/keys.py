@@ -1,5 +1,6 @@
 """/v1/keys: an owner lists, creates and revokes their own API keys. The secret of a new key is
 returned once; only its hash is stored."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
@@ -22,8 +23,14 @@ class KeyCreate(BaseModel):
 
 
 def key_public(k: ApiKey) -> dict:
-    return {"id": k.id, "object": "api_key", "name": k.name, "prefix": k.prefix, "created_at": k.created_at,
-            "revoked_at": k.revoked_at}
+    return {
+        "id": k.id,
+        "object": "api_key",
+        "name": k.name,
+        "prefix": k.prefix,
+        "created_at": k.created_at,
+        "revoked_at": k.revoked_at,
+    }
 
 
 @router.get("")

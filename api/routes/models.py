@@ -1,4 +1,5 @@
 """/v1/models: the base models and the caller's fine-tuned models."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends

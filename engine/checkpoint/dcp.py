@@ -7,6 +7,7 @@ the persistent buffers under ``buffers`` with ``everything``) and ``optim`` (Ada
 ``exp_avg_sq`` and ``step`` per parameter, keyed by parameter name), both under the parameter
 names of the module tree.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,14 +43,24 @@ def _state(model: nn.Module, mesh: Mesh | None, opt: torch.optim.Optimizer | Non
     return state
 
 
-def save(folder: Path, model: nn.Module, mesh: Mesh | None, opt: torch.optim.Optimizer | None = None,
-         everything: bool = False) -> None:
+def save(
+    folder: Path,
+    model: nn.Module,
+    mesh: Mesh | None,
+    opt: torch.optim.Optimizer | None = None,
+    everything: bool = False,
+) -> None:
     """Collective: every rank calls it with the same folder (a file system all ranks see)."""
     dcp.save(_state(model, mesh, opt, everything), checkpoint_id=str(folder))
 
 
-def load(folder: Path, model: nn.Module, mesh: Mesh | None, opt: torch.optim.Optimizer | None = None,
-         everything: bool = False) -> None:
+def load(
+    folder: Path,
+    model: nn.Module,
+    mesh: Mesh | None,
+    opt: torch.optim.Optimizer | None = None,
+    everything: bool = False,
+) -> None:
     """Read a checkpoint written by ``save`` on any world size and EP size into this rank's
     shards, in place."""
     state = _state(model, mesh, opt, everything)

@@ -8,6 +8,7 @@ uint8 [out, in/2], two E2M1 codes a byte (the low nibble is the even element), a
 ``dequantize`` is the fast form (a table lookup and an exact power-of-two scaling);
 ``decode_reference`` the definition, from the bits of each code, used to verify it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,10 @@ def _check(packed: torch.Tensor, scale: torch.Tensor) -> None:
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError(f"MXFP4 tensors are uint8, got {packed.dtype} and {scale.dtype}")
     if packed.shape[:-1] != scale.shape[:-1] or packed.shape[-1] != scale.shape[-1] * GROUP // 2:
-        raise ValueError(f"MXFP4 shapes do not match: packed {tuple(packed.shape)}, scale {tuple(scale.shape)} "
-                         f"(expected packed [..., in/2] and scale [..., in/32])")
+        raise ValueError(
+            f"MXFP4 shapes do not match: packed {tuple(packed.shape)}, scale {tuple(scale.shape)} "
+            f"(expected packed [..., in/2] and scale [..., in/32])"
+        )
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -61,7 +64,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.shape[-1] % GROUP:
         raise ValueError(f"the last dimension ({w.shape[-1]}) must be a multiple of {GROUP}")
     g = w.float().unflatten(-1, (w.shape[-1] // GROUP, GROUP))
-    amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -126)
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(2.0**-126)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = g / torch.exp2(exp)
     lut = torch.tensor(FP4, dtype=torch.float32)

@@ -51,6 +51,7 @@ and "Numbers that lived in module docstrings".
 
 Legend: N rows (all dims but the last), C the last dim.
 """
+
 from __future__ import annotations
 
 import functools
@@ -77,15 +78,20 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
     "mm": ("mm", "addmm"),  # nn.Linear and every 2-D matmul (3-D inputs fold to 2-D)
     "bmm": ("bmm", "baddbmm"),  # batched matmuls (attention scores, einsum contractions)
     "grouped_mm": ("_grouped_mm",),  # torch's grouped GEMM for experts (torch >= 2.8)
-    "attention": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                  "_scaled_dot_product_cudnn_attention"),
+    "attention": (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    ),
 }
 # Op classes kept at the call (kiln_kernels.dispatch.kept names): the Triton kernels' forwards. On a
 # CPU the references run instead, plain torch ops: nothing of this class is kept there.
-CALLS: dict[str, tuple[str, ...]] = {"kernels": ("kda", "sparse_attention", "indexer_kl", "attention"),
-                                     "attention": ("attention",),  # kiln_kernels.attention's varlen kernels
-                                     "projections": ("projection",),  # LoRA projections' outputs
-                                     "experts": ("experts",)}  # frozen grouped experts with LoRA
+CALLS: dict[str, tuple[str, ...]] = {
+    "kernels": ("kda", "sparse_attention", "indexer_kl", "attention"),
+    "attention": ("attention",),  # kiln_kernels.attention's varlen kernels
+    "projections": ("projection",),  # LoRA projections' outputs
+    "experts": ("experts",),
+}  # frozen grouped experts with LoRA
 # Discrete choices: kept whenever anything is (a few bytes a token), so that the recompute repeats
 # the forward's choice exactly. Recomputed from quantized kept values they could differ, and the
 # backward would differentiate another forward (DSA's top-k: 0.022 -> 0.006 gradient error with
@@ -94,6 +100,7 @@ SELECTIONS = frozenset({"indexer_topk"})
 BLOCKS = {"attention": "self_attn", "mlp": "mlp"}  # memory.blocks -> the decoder layer's sublayer
 QUANT = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}  # code dtype, largest code
 BLOCK = 32  # elements per quantization scale
+
 
 def check_spec(spec: MemorySpec) -> None:
     """A ValueError naming the first bad setting."""
@@ -115,8 +122,9 @@ def resolve_ops(names: list[str]) -> tuple[frozenset, frozenset]:
     lacks adds none."""
     unknown = sorted(set(names) - set(OP_CLASSES) - set(CALLS))
     if unknown:
-        raise ValueError(f"memory.cache_ops: unknown op class(es) {', '.join(unknown)}; "
-                         f"known: {', '.join([*OP_CLASSES, *CALLS])}")
+        raise ValueError(
+            f"memory.cache_ops: unknown op class(es) {', '.join(unknown)}; known: {', '.join([*OP_CLASSES, *CALLS])}"
+        )
     ops = frozenset(getattr(aten, op) for n in names for op in OP_CLASSES.get(n, ()) if hasattr(aten, op))
     return ops, frozenset(c for n in names for c in CALLS.get(n, ()))
 
@@ -124,6 +132,7 @@ def resolve_ops(names: list[str]) -> tuple[frozenset, frozenset]:
 @dataclass
 class _Kept:
     """One kept tensor: where it is, and how to make the original back."""
+
     data: torch.Tensor  # the value, or its codes [N, b]; on the device or in host memory
     scale_N1: torch.Tensor | None  # quantized: one fp32 scale per block of b
     shape: torch.Size
@@ -138,6 +147,7 @@ class _Kept:
 @dataclass(eq=False)
 class _Frame:
     """What one block's forward kept, in op order, and the state of its copies back."""
+
     kept: dict[Any, deque] = field(default_factory=lambda: defaultdict(deque))
     fetched: bool = False
     ready: torch.cuda.Event | None = None  # set when the copies back to the device are done
@@ -226,8 +236,13 @@ class SwapCore:
         """Store a forward output (called inside the op dispatch or a kernel's forward: no autograd
         here); quantized as ``spec.quantize`` says unless ``exact``."""
         data, scale = x.detach(), None
-        if (not exact and self.spec.quantize != "none" and x.dtype in (torch.bfloat16, torch.float16) and x.dim()
-                and x.numel()):
+        if (
+            not exact
+            and self.spec.quantize != "none"
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.dim()
+            and x.numel()
+        ):
             data, scale = quantize(data, self.spec.quantize)
         nbytes = data.numel() * data.element_size() + (scale.numel() * 4 if scale is not None else 0)
         tier = self._tier(nbytes)
@@ -352,6 +367,7 @@ class _Phase:
                 return run()
             finally:
                 self.inside = before
+
         return self.op(name, whole, exact=True)
 
     def __enter__(self):
@@ -390,8 +406,10 @@ class _Keep(_Phase):
         super().__exit__(*exc)
         for k in self.frame.leaves():  # an output changed in place later in the block would be stale
             if k.alias is not None and k.alias._version != k.version:
-                raise RuntimeError("Swap Core: an op changed a kept output in place; recompute that block "
-                                   "fully or take the op's class out of memory.cache_ops")
+                raise RuntimeError(
+                    "Swap Core: an op changed a kept output in place; recompute that block "
+                    "fully or take the op's class out of memory.cache_ops"
+                )
             k.alias = None  # a host copy holds the device memory only until it is done
 
 
@@ -418,14 +436,18 @@ class _Reuse(_Phase):
         self.frame.kept = None  # type: ignore[assignment]
         super().__exit__(*exc)
         if left and exc[0] is None:
-            raise RuntimeError(f"Swap Core: the recompute ran {left} kept op(s) fewer than the forward did; "
-                               "the block's control flow changed between forward and backward")
+            raise RuntimeError(
+                f"Swap Core: the recompute ran {left} kept op(s) fewer than the forward did; "
+                "the block's control flow changed between forward and backward"
+            )
 
     def op(self, key, run, exact: bool):
         q = self.frame.kept.get(key)
         if not q:
-            raise RuntimeError(f"Swap Core: the recompute ran {key} more often than the forward did; the "
-                               "block's control flow changed between forward and backward")
+            raise RuntimeError(
+                f"Swap Core: the recompute ran {key} more often than the forward did; the "
+                "block's control flow changed between forward and backward"
+            )
         return tree_map_only(_Kept, self.core.give_back, q.popleft())
 
 

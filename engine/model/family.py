@@ -8,6 +8,7 @@ limit, image tokens) are their ``kiln.catalog`` cards, torch-free, which the API
 family's ``experts``, ``position_limit`` and ``image_tokens`` compute the same facts from a config
 (tests/unit/test_families.py holds them equal).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,6 +27,7 @@ BUILTIN_SEED = 20261202  # every built-in model's weights come from it: every ma
 class Builtin:
     """A built-in model: its card and how its files are written (from ``BUILTIN_SEED``, in the
     family's on-disk format, into an empty folder)."""
+
     card: ModelCard
     write: Callable[[Path], None]
 

@@ -9,6 +9,7 @@ written once, from a fixed seed, in their family's on-disk format.
   Block AttnRes, an image encoder) at test size, in Kiln's own layout (module names).
 - ``deepseek_v32``: DeepSeek V3.2 checkpoints as the hybrid model; no built-in one.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ from torch import nn
 from engine.model import deepseek_v32, hybrid, kimi_linear, tiny
 from engine.model.family import Family
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (tiny.FAMILY, kimi_linear.FAMILY, deepseek_v32.FAMILY,
-                                                         hybrid.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in (tiny.FAMILY, kimi_linear.FAMILY, deepseek_v32.FAMILY, hybrid.FAMILY)
+}
 LOADERS: dict[str, Callable[[Path], nn.Module]] = {kind: f.load for kind, f in FAMILIES.items()}
 BUILTINS: dict[str, Callable[[Path], None]] = {b.card.name: b.write for f in FAMILIES.values() for b in f.builtins}
 

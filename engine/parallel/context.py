@@ -24,6 +24,7 @@ taken one past the slice (the next rank's first token is its last token's target
 
 Legend: L tokens of the whole sequence, T of a slice, C channels, H heads, K/V state dims.
 """
+
 from __future__ import annotations
 
 import torch
@@ -121,7 +122,7 @@ class _Gather(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=shard.group)
         T = grad.shape[0] // shard.size
-        return grad[shard.rank * T:(shard.rank + 1) * T], None
+        return grad[shard.rank * T : (shard.rank + 1) * T], None
 
 
 class ContextShard:
@@ -155,7 +156,7 @@ class ContextShard:
         of its documents: the halo belongs to the slice's first document where that began
         earlier, else it is a document of its own (its outputs are dropped)."""
         prev = self._once(key, lambda: _Halo.apply(x_1TC[0, -n:], self))
-        ids = torch.cat([self.docs[max(self.start - n, 0):self.start], self.docs[self.start:self.end]])
+        ids = torch.cat([self.docs[max(self.start - n, 0) : self.start], self.docs[self.start : self.end]])
         if self.start < n:  # the first rank: n rows of zeros, a document of their own
             ids = torch.cat([torch.full((n - self.start,), -1, dtype=ids.dtype), ids])
         return torch.cat([prev[None].to(x_1TC.dtype), x_1TC], 1), cu_seqlens(ids[None])
@@ -181,7 +182,7 @@ class ContextShard:
         from the start of the slice's first document to the slice's end (the queries are the last
         T of them)."""
         every = self._once(key, lambda: _Gather.apply(rows_TC, self))
-        return every[self.first_doc_start:self.end]
+        return every[self.first_doc_start : self.end]
 
     def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
         """``key_rows``, and their documents' host offsets (the queries', ``cu``, shifted by the
@@ -216,6 +217,11 @@ def split(batch: dict, pad_id: int, group, rank: int, size: int) -> tuple[dict, 
     docs = torch.cat([docs.reshape(-1), torch.full((pad,), int(docs.max()) + 1)])
     pos = torch.cat([pos.reshape(-1), torch.arange(pad)])
     s, e = rank * per, (rank + 1) * per
-    local = {"input_ids_BT": ids[None, s:e], "labels_BT": labels[None, s:e + 1], "pixels_NCHW": batch["pixels_NCHW"],
-             "doc_ids_BT": docs[None, s:e], "positions_BT": pos[None, s:e]}
+    local = {
+        "input_ids_BT": ids[None, s:e],
+        "labels_BT": labels[None, s : e + 1],
+        "pixels_NCHW": batch["pixels_NCHW"],
+        "doc_ids_BT": docs[None, s:e],
+        "positions_BT": pos[None, s:e],
+    }
     return local, ContextShard(group, rank, size, docs, s, e)

@@ -15,6 +15,7 @@ L = E / ep local experts, M rows received):
 The sums into each token run in the same order as the single-device loop (expert by expert,
 tokens ascending), so ep=1 and ep>1 add the same terms in the same order.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -79,6 +80,6 @@ def shard_experts(model: nn.Module, mesh: Mesh) -> None:
         for name, p in list(module.named_parameters()):
             owner, _, leaf = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
-            setattr(target, leaf, nn.Parameter(p.detach()[r * L:(r + 1) * L].clone(), requires_grad=p.requires_grad))
+            setattr(target, leaf, nn.Parameter(p.detach()[r * L : (r + 1) * L].clone(), requires_grad=p.requires_grad))
         module.expert_shard = ExpertShard(mesh.ep_group, mesh.ep, r, E)
         module.forward = MethodType(_forward, module)

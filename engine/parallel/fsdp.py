@@ -13,6 +13,7 @@
 Every parameter then lives on exactly one rank in one piece (a shard of an FSDP DTensor), which
 ``global_view`` re-labels with its place in the full tensor, for checkpoints and for gathering.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,12 @@ from engine.parallel.mesh import Mesh
 
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks: the children of every ModuleList named ``layers``."""
-    return [b for name, m in model.named_modules() if isinstance(m, nn.ModuleList)
-            and name.rsplit(".", 1)[-1] == "layers" for b in m]
+    return [
+        b
+        for name, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"
+        for b in m
+    ]
 
 
 def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
@@ -81,16 +86,24 @@ def global_view(model: nn.Module, mesh: Mesh | None, tensors: dict[str, torch.Te
             out[name] = t
             continue
         shape = (E, *t.shape[1:])
-        out[name] = DTensor.from_local(t.to_local(), mesh.experts, [Shard(0), Shard(0)], run_check=False,
-                                       shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+        out[name] = DTensor.from_local(
+            t.to_local(),
+            mesh.experts,
+            [Shard(0), Shard(0)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
     return out
 
 
 def full_tensors(model: nn.Module, mesh: Mesh, names: set[str] | None = None) -> dict[str, torch.Tensor]:
     """Whole parameters (on the CPU, on every rank; collective): all, or those in ``names``."""
     params = {n: p for n, p in model.named_parameters() if names is None or n in names}
-    return {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-            for n, t in global_view(model, mesh, params).items()}
+    return {
+        n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+        for n, t in global_view(model, mesh, params).items()
+    }
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ group are neighbours (one node on a multi-node run), the ranks of an EP group ar
 Context parallel: ``cp`` consecutive ranks share one sequence (engine.parallel.context), so the
 data is shared among ``world / cp`` groups; FSDP's gradient sum over all ranks needs nothing more.
 """
+
 from __future__ import annotations
 
 import logging
@@ -87,10 +88,15 @@ def init_mesh(ep_size: int = 1, cp_size: int = 1) -> Mesh:
         raise ValueError(f"parallel.cp_size {cp_size} must divide the number of processes ({world})")
     kind = "cuda" if cuda else "cpu"
     device = torch.device(kind, torch.cuda.current_device()) if cuda else torch.device("cpu")
-    context = init_device_mesh(kind, (world // cp_size, cp_size), mesh_dim_names=("data", "cp")) if cp_size > 1 else None
-    return Mesh(dp=init_device_mesh(kind, (world,), mesh_dim_names=("dp",)),
-                experts=init_device_mesh(kind, (ep_size, world // ep_size), mesh_dim_names=("ep", "edp")),
-                device=device, context=context)
+    context = (
+        init_device_mesh(kind, (world // cp_size, cp_size), mesh_dim_names=("data", "cp")) if cp_size > 1 else None
+    )
+    return Mesh(
+        dp=init_device_mesh(kind, (world,), mesh_dim_names=("dp",)),
+        experts=init_device_mesh(kind, (ep_size, world // ep_size), mesh_dim_names=("ep", "edp")),
+        device=device,
+        context=context,
+    )
 
 
 def close_mesh() -> NoReturn:

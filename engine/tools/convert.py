@@ -18,6 +18,7 @@ module tensor is found on disk under its own name or the family's (``engine.mode
 ``block_sparse_moe``, Kimi's ``w1/w3/w2`` or DeepSeek's ``gate/up/down_proj`` per expert, the
 q/k/v short convolutions).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,16 @@ from engine.checkpoint.mxfp4 import PACKED, SCALE, decode_reference, dequantize
 from engine.model.common import names
 from engine.model.common.hf import shards
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-           "U8": torch.uint8, "I64": torch.int64, "I32": torch.int32, "BOOL": torch.bool}
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "BOOL": torch.bool,
+}
 
 
 class Checkpoint:
@@ -98,7 +107,9 @@ def _convert_shard(src: str, file: str, dst: str, verify_rows: int) -> dict[str,
             packed, scale = ckpt._raw(key), ckpt._raw(base + SCALE)
             w = dequantize(packed, scale)
             n = min(verify_rows, packed.shape[0])
-            if n and not torch.equal(w[:n].double(), decode_reference(packed[:n], scale[:n]).to(torch.bfloat16).double()):
+            if n and not torch.equal(
+                w[:n].double(), decode_reference(packed[:n], scale[:n]).to(torch.bfloat16).double()
+            ):
                 raise RuntimeError(f"{key}: the decode disagrees with the reference")
             out[base + ".weight"] = w
         else:
@@ -114,12 +125,15 @@ def to_bf16(src: Path, dst: Path, workers: int = 8, verify_rows: int = 2) -> Non
     weight_map: dict[str, str] = {}
     ctx = multiprocessing.get_context("spawn")  # no forked torch threads
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(files))), mp_context=ctx) as pool:
-        for part in pool.map(_convert_shard, [str(src)] * len(files), files, [str(dst)] * len(files),
-                             [verify_rows] * len(files)):
+        for part in pool.map(
+            _convert_shard, [str(src)] * len(files), files, [str(dst)] * len(files), [verify_rows] * len(files)
+        ):
             weight_map.update(part)
     _copy_side_files(src, dst)
     if len(files) > 1 or (src / "model.safetensors.index.json").exists():
-        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+        (dst / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2)
+        )
 
 
 def _copy_side_files(src: Path, dst: Path) -> None:
@@ -142,6 +156,7 @@ def _copy_side_files(src: Path, dst: Path) -> None:
 class _Source:
     """Where a module tensor's rows come from: one disk tensor, per-expert disk tensors stacked
     (each expert's parts joined on dim 0: gate rows then up rows), or parts joined on dim 0."""
+
     ckpt: Checkpoint
     keys: list[list[str]]  # stack: one list per expert; direct/concat: one list
     stacked: bool
@@ -211,10 +226,17 @@ class _Planned:
         for a, b in self.ranges:
             offsets = torch.Size([a] + [0] * (len(self.shape) - 1)) if self.shape else torch.Size([])
             sizes = torch.Size([b - a, *self.shape[1:]]) if self.shape else torch.Size([])
-            items.append(WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
-                                                               properties=TensorProperties(dtype=dtype),
-                                                               size=torch.Size(self.shape))))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets, sizes),
+                        properties=TensorProperties(dtype=dtype),
+                        size=torch.Size(self.shape),
+                    ),
+                )
+            )
         return items
 
     def read(self, offset: torch.Size) -> torch.Tensor:
@@ -253,20 +275,25 @@ def to_dcp(src: Path, dst: Path, fsdp_shards: int, ep_size: int = 1, workers: in
     for name, _ in model.named_buffers():  # persistent buffers (the routers' biases): whole, once
         if name in model.state_dict():
             source = find_source(ckpt, name, 0)
-            state[f"buffers.{name}"] = _Planned(tuple(model.get_buffer(name).shape), [(0, model.get_buffer(name).shape[0])], source)
+            state[f"buffers.{name}"] = _Planned(
+                tuple(model.get_buffer(name).shape), [(0, model.get_buffer(name).shape[0])], source
+            )
 
     class Planner(DefaultSavePlanner):
         def lookup_object(self, index):
             return self.state_dict[index.fqn].read(index.offset)
 
-    dcp.save(state, storage_writer=FileSystemWriter(str(dst), thread_count=max(1, workers)), planner=Planner(), no_dist=True)
+    dcp.save(
+        state, storage_writer=FileSystemWriter(str(dst), thread_count=max(1, workers)), planner=Planner(), no_dist=True
+    )
     _copy_side_files(src, dst)
     return {"tensors": len(state), "shards": sum(len(p.ranges) for p in state.values())}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.tools.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m engine.tools.convert", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bf16", help="MXFP4 safetensors -> BF16 safetensors")
     d = sub.add_parser("dcp", help="safetensors -> DCP laid out for FSDP shards and an EP size")

@@ -16,6 +16,7 @@ LoRA factors, their gradients and AdamW's two moments in fp32, sharded; activati
 recompute, each layer's two block inputs are kept and one layer is live at a time; the logits
 and their gradient in fp32, as the unfused loss makes them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,16 @@ def lora_parameters(c: ModelConfig, rank: int, experts: bool = True) -> int:
     return rank * (kda * kinds.count("kda") + dsa * kinds.count("dsa") + mlp + routed)
 
 
-def estimate(c: ModelConfig, gpus: int, ep: int, tokens: int, rank: int, weight_bytes: int,
-             capacity_gb: float, recompute: bool = True) -> Plan:
+def estimate(
+    c: ModelConfig,
+    gpus: int,
+    ep: int,
+    tokens: int,
+    rank: int,
+    weight_bytes: int,
+    capacity_gb: float,
+    recompute: bool = True,
+) -> Plan:
     p = count_parameters(c)
     m, D = c.moe, c.hidden
     width = m.latent or D
@@ -98,8 +107,7 @@ def estimate(c: ModelConfig, gpus: int, ep: int, tokens: int, rank: int, weight_
 
 def choose(c: ModelConfig, gpus: int, **kw) -> Plan:
     """The EP size with the least traffic among those that fit, else the one closest to fitting."""
-    options = [e for e in range(1, math.gcd(c.moe.experts, gpus) + 1)
-               if c.moe.experts % e == 0 and gpus % e == 0]
+    options = [e for e in range(1, math.gcd(c.moe.experts, gpus) + 1) if c.moe.experts % e == 0 and gpus % e == 0]
     plans = [estimate(c, gpus, e, **kw) for e in options]
     fitting = [pl for pl in plans if pl.fits]
     return min(fitting, key=lambda pl: sum(pl.traffic.values())) if fitting else min(plans, key=lambda pl: pl.total)
@@ -116,17 +124,23 @@ def fewest_gpus(c: ModelConfig, per_node: int, limit: int = 1 << 16, **kw) -> in
 
 def report(c: ModelConfig, plan: Plan, per_node: int) -> str:
     edp = plan.gpus // plan.ep
-    lines = [f"{plan.gpus} GPUs ({math.ceil(plan.gpus / per_node)} nodes of {per_node}), "
-             f"{plan.capacity / GB:.0f} GB each",
-             f"layout: FSDP2 over all {plan.gpus} ranks; experts split {plan.ep} ways (EP), each expert shard "
-             f"FSDP-sharded over {edp} ranks; {c.moe.experts // plan.ep} of {c.moe.experts} experts a rank per layer"
-             + ("; the EP all-to-all stays inside a node" if plan.ep <= per_node else
-                "; the EP all-to-all crosses nodes"),
-             "", "| per device | GB |", "| --- | ---: |"]
+    lines = [
+        f"{plan.gpus} GPUs ({math.ceil(plan.gpus / per_node)} nodes of {per_node}), {plan.capacity / GB:.0f} GB each",
+        f"layout: FSDP2 over all {plan.gpus} ranks; experts split {plan.ep} ways (EP), each expert shard "
+        f"FSDP-sharded over {edp} ranks; {c.moe.experts // plan.ep} of {c.moe.experts} experts a rank per layer"
+        + ("; the EP all-to-all stays inside a node" if plan.ep <= per_node else "; the EP all-to-all crosses nodes"),
+        "",
+        "| per device | GB |",
+        "| --- | ---: |",
+    ]
     lines += [f"| {k} | {v / GB:.2f} |" for k, v in plan.parts.items()]
-    lines += [f"| **total** | **{plan.total / GB:.2f}** |", "",
-              "traffic per step and device: " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.traffic.items()), "",
-              ("fits" if plan.fits else "does NOT fit") + f": {plan.total / GB:.1f} of {plan.capacity / GB:.0f} GB"]
+    lines += [
+        f"| **total** | **{plan.total / GB:.2f}** |",
+        "",
+        "traffic per step and device: " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in plan.traffic.items()),
+        "",
+        ("fits" if plan.fits else "does NOT fit") + f": {plan.total / GB:.1f} of {plan.capacity / GB:.0f} GB",
+    ]
     return "\n".join(lines)
 
 
@@ -147,12 +161,19 @@ def kimi_linear_parameters(c: KimiLinearConfig) -> tuple[int, int]:
         m = KimiLinearForCausalLM(c)
     total = sum(p.numel() for p in m.parameters())
     wide = m.model.embed_tokens.weight.numel() + sum(
-        p.numel() for n, p in m.named_parameters() if "norm" in n or "A_log" in n or "dt_bias" in n or n.endswith("gate.weight"))
+        p.numel()
+        for n, p in m.named_parameters()
+        if "norm" in n or "A_log" in n or "dt_bias" in n or n.endswith("gate.weight")
+    )
     return total, wide
 
 
-def kimi_linear_lora(c: KimiLinearConfig, rank: int, experts: bool, targets=("q_proj", "k_proj", "v_proj", "o_proj",
-                                                                            "gate_proj", "up_proj", "down_proj")) -> int:
+def kimi_linear_lora(
+    c: KimiLinearConfig,
+    rank: int,
+    experts: bool,
+    targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+) -> int:
     import torch
 
     from engine.lora import apply_lora
@@ -161,8 +182,14 @@ def kimi_linear_lora(c: KimiLinearConfig, rank: int, experts: bool, targets=("q_
 
     with torch.device("meta"):
         m = KimiLinearForCausalLM(c)
-    apply_lora(m, LoraSpec(rank=rank, target_modules=list(targets),
-                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else []))
+    apply_lora(
+        m,
+        LoraSpec(
+            rank=rank,
+            target_modules=list(targets),
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else [],
+        ),
+    )
     return sum(p.numel() for p in m.parameters() if p.requires_grad)
 
 
@@ -197,8 +224,9 @@ def kimi_linear_token_bytes(c: KimiLinearConfig, i: int) -> dict[str, int]:
     return {"saved": norms + attn + mlp, "kept": norms + 2 * f32 * D + kernel, "block": max(attn, mlp)}
 
 
-def kimi_linear_memory(c: KimiLinearConfig, tokens: int, rank: int = 16, experts: bool = False,
-                       recompute: str = "none", cp: int = 1) -> dict[str, float]:
+def kimi_linear_memory(
+    c: KimiLinearConfig, tokens: int, rank: int = 16, experts: bool = False, recompute: str = "none", cp: int = 1
+) -> dict[str, float]:
     """Bytes one device holds at its peak training one sequence of ``tokens`` (a packed row or
     one document) split over ``cp`` ranks, by part. Weights as the trainer stores them on a GPU
     (bf16, fp32 where store_frozen leaves them), LoRA factors with their gradient and AdamW's
@@ -216,12 +244,18 @@ def kimi_linear_memory(c: KimiLinearConfig, tokens: int, rank: int = 16, experts
     if recompute == "none":
         acts = {"activations kept": T * sum(l["saved"] for l in layers)}
     else:
-        acts = {"activations kept": T * sum(l["kept"] for l in layers),
-                "the block being recomputed": T * max(l["block"] for l in layers)}
+        acts = {
+            "activations kept": T * sum(l["kept"] for l in layers),
+            "the block being recomputed": T * max(l["block"] for l in layers),
+        }
     D = c.hidden_size
-    return {"weights": weights, "LoRA + grads + AdamW (fp32)": 16 * kimi_linear_lora(c, rank, experts) / cp,
-            **acts, "loss (logits chunk, dh, h)": min(LOSS_CHUNK, T * c.vocab_size * 2) + 2 * T * D * 2 + T * D * 4,
-            "residual gradients (fp32)": 3 * T * D * 4}
+    return {
+        "weights": weights,
+        "LoRA + grads + AdamW (fp32)": 16 * kimi_linear_lora(c, rank, experts) / cp,
+        **acts,
+        "loss (logits chunk, dh, h)": min(LOSS_CHUNK, T * c.vocab_size * 2) + 2 * T * D * 2 + T * D * 4,
+        "residual gradients (fp32)": 3 * T * D * 4,
+    }
 
 
 def choose_cp(c: KimiLinearConfig, tokens: int, gpus: int, capacity_gb: float, **kw) -> int | None:
@@ -243,30 +277,41 @@ def load_config(name: str) -> ModelConfig | KimiLinearConfig:
     if raw.get("model_type") == "kimi_linear":
         return KimiLinearConfig.from_hf(raw)
     if raw.get("model_type") != "kiln_hybrid":
-        raise ValueError(f"{name}: the planner reads kiln_hybrid and kimi_linear configs "
-                         f"(model_type {raw.get('model_type')!r})")
+        raise ValueError(
+            f"{name}: the planner reads kiln_hybrid and kimi_linear configs (model_type {raw.get('model_type')!r})"
+        )
     return ModelConfig.from_json(json.dumps(raw["model"]))
 
 
-def kimi_linear_report(c: KimiLinearConfig, tokens: int, gpus: int, capacity_gb: float, rank: int,
-                       experts: bool) -> tuple[str, int]:
+def kimi_linear_report(
+    c: KimiLinearConfig, tokens: int, gpus: int, capacity_gb: float, rank: int, experts: bool
+) -> tuple[str, int]:
     """The context-parallel size chosen for a ``tokens`` sequence, its memory by part; exit code."""
     cp = choose_cp(c, tokens, gpus, capacity_gb, rank=rank, experts=experts)
     if cp is None:
         return f"a {tokens:,}-token sequence does not fit on {gpus} GPUs of {capacity_gb:.0f} GB", 1
-    recompute = "none" if sum(kimi_linear_memory(c, tokens, rank, experts, "none", cp).values()) <= capacity_gb * GB \
+    recompute = (
+        "none"
+        if sum(kimi_linear_memory(c, tokens, rank, experts, "none", cp).values()) <= capacity_gb * GB
         else "selective"
+    )
     parts = kimi_linear_memory(c, tokens, rank, experts, recompute, cp)
-    lines = [f"a {tokens:,}-token sequence: parallel.cp_size {cp} ({-(-tokens // cp):,} tokens a rank), "
-             f"memory.recompute {recompute}", "", "| per device | GB |", "| --- | ---: |"]
+    lines = [
+        f"a {tokens:,}-token sequence: parallel.cp_size {cp} ({-(-tokens // cp):,} tokens a rank), "
+        f"memory.recompute {recompute}",
+        "",
+        "| per device | GB |",
+        "| --- | ---: |",
+    ]
     lines += [f"| {k} | {v / GB:.2f} |" for k, v in parts.items()]
     lines += [f"| **total** | **{sum(parts.values()) / GB:.2f}** of {capacity_gb:.0f} |"]
     return "\n".join(lines), 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = argparse.ArgumentParser(prog="python -m engine.tools.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = argparse.ArgumentParser(
+        prog="python -m engine.tools.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     a.add_argument("--model", default="flagship", help="flagship, debug, or a kiln_hybrid or kimi_linear config.json")
     a.add_argument("--gpus", type=int, required=True)
     a.add_argument("--gpus-per-node", type=int, default=8)
@@ -289,15 +334,26 @@ def main(argv: list[str] | None = None) -> int:
         text, code = kimi_linear_report(c, args.tokens, args.gpus, args.gpu_memory_gb, args.lora_rank, args.expert_lora)
         print(text)
         return code
-    kw = dict(tokens=args.tokens, rank=args.lora_rank, weight_bytes=2 if args.weights == "bf16" else 4,
-              capacity_gb=args.gpu_memory_gb, recompute=not args.no_recompute)
+    kw = dict(
+        tokens=args.tokens,
+        rank=args.lora_rank,
+        weight_bytes=2 if args.weights == "bf16" else 4,
+        capacity_gb=args.gpu_memory_gb,
+        recompute=not args.no_recompute,
+    )
     plan = choose(c, args.gpus, **kw)
-    print(f"model: {args.model}, {count_parameters(c)['total'] / 1e9:,.1f}B parameters, LoRA rank {args.lora_rank}, "
-          f"{args.tokens} tokens per device")
+    print(
+        f"model: {args.model}, {count_parameters(c)['total'] / 1e9:,.1f}B parameters, LoRA rank {args.lora_rank}, "
+        f"{args.tokens} tokens per device"
+    )
     print(report(c, plan, args.gpus_per_node))
     if not plan.fits:
         need = fewest_gpus(c, args.gpus_per_node, **kw)
-        print(f"the fewest GPUs that fit: {need}" if need else "no cluster up to 65,536 GPUs fits: fewer tokens per device")
+        print(
+            f"the fewest GPUs that fit: {need}"
+            if need
+            else "no cluster up to 65,536 GPUs fits: fewer tokens per device"
+        )
         return 1
     return 0
 

@@ -5,6 +5,7 @@ behind one interface: ``SingleFile`` (one process: the objective's files and tra
 and ``Sharded`` (a mesh: every rank's shards of the trained weights and of AdamW's state in
 ``dcp/``, loadable on any world size; rank 0 the adapter gathered in PEFT's layout). ``resume``
 reads either."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -16,10 +17,14 @@ from engine.spec import Store
 
 
 def trainer_state(step: int, tokens: int, sched, opt=None) -> dict:
-    return {"step": step, "tokens": tokens, "scheduler": sched.state_dict(),
-            **({"optimizer": opt.state_dict()} if opt is not None else {}),
-            "rng": torch.get_rng_state(),  # dropout on a GPU draws from the CUDA generators
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "step": step,
+        "tokens": tokens,
+        "scheduler": sched.state_dict(),
+        **({"optimizer": opt.state_dict()} if opt is not None else {}),
+        "rng": torch.get_rng_state(),  # dropout on a GPU draws from the CUDA generators
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 class SingleFile:
@@ -77,8 +82,10 @@ class Sharded(SingleFile):
             if mesh.rank == 0:
                 if not full:
                     self.objective.save(model, folder, gathered)
-                torch.save({**trainer_state(step, tokens, sched), "lr": [g["lr"] for g in opt.param_groups]},
-                           folder / "trainer_state.pt")
+                torch.save(
+                    {**trainer_state(step, tokens, sched), "lr": [g["lr"] for g in opt.param_groups]},
+                    folder / "trainer_state.pt",
+                )
             dist.barrier()  # every shard is on disk before rank 0 publishes the folder
 
 

@@ -1,4 +1,5 @@
 """The job's hyperparameters resolved ("auto" made a number) and the learning-rate schedule."""
+
 from __future__ import annotations
 
 import math
@@ -21,9 +22,14 @@ class Resolved:
     warmup_steps: int
 
     def public(self) -> dict:
-        return {"n_epochs": self.n_epochs, "batch_size": self.batch_size,
-                "learning_rate_multiplier": self.learning_rate_multiplier, "learning_rate": self.learning_rate,
-                "total_steps": self.total_steps, "checkpoint_interval": self.checkpoint_interval}
+        return {
+            "n_epochs": self.n_epochs,
+            "batch_size": self.batch_size,
+            "learning_rate_multiplier": self.learning_rate_multiplier,
+            "learning_rate": self.learning_rate,
+            "total_steps": self.total_steps,
+            "checkpoint_interval": self.checkpoint_interval,
+        }
 
 
 def resolve(spec: JobSpec, n_examples: int) -> Resolved:
@@ -36,8 +42,16 @@ def resolve(spec: JobSpec, n_examples: int) -> Resolved:
     if spec.max_steps:
         total = min(total, spec.max_steps)
     interval = spec.checkpoint_interval or per_epoch
-    return Resolved(epochs, bs, float(mult), BASE_LR[spec.training] * mult, total, per_epoch, interval,
-                    int(total * spec.warmup_ratio))
+    return Resolved(
+        epochs,
+        bs,
+        float(mult),
+        BASE_LR[spec.training] * mult,
+        total,
+        per_epoch,
+        interval,
+        int(total * spec.warmup_ratio),
+    )
 
 
 def lr_lambda(warmup: int, total: int):
@@ -46,4 +60,5 @@ def lr_lambda(warmup: int, total: int):
             return (step + 1) / (warmup + 1)
         progress = (step - warmup) / max(1, total - warmup)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))  # cosine down to 10%
+
     return f

@@ -1,6 +1,7 @@
 """What a job trains: ``LoRA`` (adapters on a frozen base) or ``Full`` (every weight; the
 routers rebalance too), what a checkpoint holds of it and what the job's result is. DPO slots in
 here as another objective."""
+
 from __future__ import annotations
 
 import zipfile
@@ -38,8 +39,9 @@ class LoRA:
     def after_update(self, model: torch.nn.Module, ranks) -> None:
         pass
 
-    def finish(self, model, ranks, store: Store, model_dir: Path, step: int, hp: Resolved, tokens: int,
-               metrics: dict) -> TrainResult:
+    def finish(
+        self, model, ranks, store: Store, model_dir: Path, step: int, hp: Resolved, tokens: int, metrics: dict
+    ) -> TrainResult:
         """The adapter of the last checkpoint, zipped with a model card (rank 0)."""
         spec = self.spec
         adapter_key = f"{spec.artifacts}/adapter.zip"
@@ -50,7 +52,9 @@ class LoRA:
             with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
                 for name in ("adapter_config.json", "adapter_model.safetensors"):
                     zf.write(final / name, name)
-                zf.writestr("README.md", model_card(spec, hp, {k: round(v, 4) for k, v in metrics.items() if "loss" in k}))
+                zf.writestr(
+                    "README.md", model_card(spec, hp, {k: round(v, 4) for k, v in metrics.items() if "loss" in k})
+                )
         return TrainResult("succeeded", adapter_key=adapter_key, trained_tokens=tokens, final_metrics=metrics)
 
 
@@ -65,8 +69,10 @@ class Full(LoRA):
         return None
 
     def save(self, model: torch.nn.Module, folder: Path, gathered: dict | None = None) -> None:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
-                  str(folder / "model_state.safetensors"))
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
+            str(folder / "model_state.safetensors"),
+        )
 
     def load(self, model: torch.nn.Module, folder: Path) -> None:
         model.load_state_dict(load_file(str(folder / "model_state.safetensors")))
@@ -78,8 +84,9 @@ class Full(LoRA):
             if isinstance(m, Router):
                 m.update_bias(self.spec.moe_bias_rate)
 
-    def finish(self, model, ranks, store: Store, model_dir: Path, step: int, hp: Resolved, tokens: int,
-               metrics: dict) -> TrainResult:
+    def finish(
+        self, model, ranks, store: Store, model_dir: Path, step: int, hp: Resolved, tokens: int, metrics: dict
+    ) -> TrainResult:
         """The whole trained model in its family's on-disk format, loadable as a base model."""
         key = f"{self.spec.artifacts}/model"
         whole = ranks.whole(model, model_dir)
@@ -94,10 +101,25 @@ def objective_for(spec: JobSpec) -> LoRA:
 
 
 def model_card(spec: JobSpec, hp: Resolved, metrics: dict) -> str:
-    lines = [f"# LoRA adapter for {spec.model}", "", f"Trained by Kiln job `{spec.job_id}`.", "",
-             "```python", "from peft import PeftModel", "model = PeftModel.from_pretrained(base_model, 'this-folder')", "```", "",
-             "| setting | value |", "| --- | --- |"]
-    for k, v in {**hp.public(), "lora_rank": spec.lora.rank, "lora_alpha": spec.lora.alpha,
-                 "target_modules": ", ".join(spec.lora.target_modules), **metrics}.items():
+    lines = [
+        f"# LoRA adapter for {spec.model}",
+        "",
+        f"Trained by Kiln job `{spec.job_id}`.",
+        "",
+        "```python",
+        "from peft import PeftModel",
+        "model = PeftModel.from_pretrained(base_model, 'this-folder')",
+        "```",
+        "",
+        "| setting | value |",
+        "| --- | --- |",
+    ]
+    for k, v in {
+        **hp.public(),
+        "lora_rank": spec.lora.rank,
+        "lora_alpha": spec.lora.alpha,
+        "target_modules": ", ".join(spec.lora.target_modules),
+        **metrics,
+    }.items():
         lines.append(f"| {k} | {v} |")
     return "\n".join(lines) + "\n"

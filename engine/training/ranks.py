@@ -2,6 +2,7 @@
 ``MeshRanks`` (torchrun's processes on an ``engine.parallel.mesh.Mesh``: data groups share the
 examples, context-parallel ranks split each batch's sequences, counts are summed over all ranks,
 rank 0's stop holds for all, the model is sharded by ``engine.parallel.fsdp.parallelize``)."""
+
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ def share(items: list, world: int, rank: int, parts: int | None = None, size: in
     empty one stands for nothing: collectives need every rank in every forward)."""
     mine, per = items[rank::world], math.ceil(len(items) / world)
     size = size or max(1, math.ceil(per / parts))
-    return [mine[i * size:(i + 1) * size] for i in range(math.ceil(per / size))]
+    return [mine[i * size : (i + 1) * size] for i in range(math.ceil(per / size))]
 
 
 class Single:
@@ -104,9 +105,11 @@ class MeshRanks(Single):
 
         m = self.mesh
         parallelize(model, m)
-        reporter.message(f"Parallel: {m.world} processes, FSDP2 over all, experts split {m.ep} ways"
-                         + (f", each sequence split {m.cp} ways (context parallel)" if m.cp > 1 else ""),
-                         data={"world_size": m.world, "ep_size": m.ep, "cp_size": m.cp})
+        reporter.message(
+            f"Parallel: {m.world} processes, FSDP2 over all, experts split {m.ep} ways"
+            + (f", each sequence split {m.cp} ways (context parallel)" if m.cp > 1 else ""),
+            data={"world_size": m.world, "ep_size": m.ep, "cp_size": m.cp},
+        )
 
     def clip(self, params: list, max_norm: float) -> torch.Tensor:
         from engine.parallel.fsdp import clip_grad_norm

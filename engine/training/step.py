@@ -1,5 +1,6 @@
 """A step's arithmetic: the loss of a batch, the forward and backward of a step's examples over
 its micro-batches (weighted so that the summed gradients equal the whole batch's), evaluation."""
+
 from __future__ import annotations
 
 import torch
@@ -15,12 +16,15 @@ def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=Non
     docs, pos = (batch[k].to(device) if batch[k] is not None else None for k in ("doc_ids_BT", "positions_BT"))
     extra = {"cp": cp} if cp is not None else {}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        loss, right = model(ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels, **extra)  # no full logits
+        loss, right = model(
+            ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels, **extra
+        )  # no full logits
     return loss, int((labels[:, 1:] != IGNORE).sum()), int(right)
 
 
-def accumulate(model: torch.nn.Module, samples: list, micro: int, pad: int, pack_to: int | None, ranks
-               ) -> tuple[torch.Tensor, int, int, int, int]:
+def accumulate(
+    model: torch.nn.Module, samples: list, micro: int, pad: int, pack_to: int | None, ranks
+) -> tuple[torch.Tensor, int, int, int, int]:
     """Forward and backward this rank's share of the step's examples in ``micro`` parts, each
     weighted by its share of the target tokens of the whole step (on all ranks): the gradients,
     summed over the ranks, equal the whole batch's (context parallel too: each rank's slice holds
@@ -29,7 +33,9 @@ def accumulate(model: torch.nn.Module, samples: list, micro: int, pad: int, pack
     total = sum(s.targets for s in samples) or 1
     loss_sum, n_sum, right_sum, seen, rows = 0.0, 0, 0, 0, 0
     for part in ranks.share(samples, parts=micro):
-        batch, cp, packed = ranks.batch(part or samples[:1], pad, pack_to)  # a stand-in, weighted 0, keeps the ranks in step
+        batch, cp, packed = ranks.batch(
+            part or samples[:1], pad, pack_to
+        )  # a stand-in, weighted 0, keeps the ranks in step
         loss, n, right = batch_loss(model, batch, ranks.device, cp)
         extra = model.indexer_loss() if hasattr(model, "indexer_loss") and model.training else None
         weight = n / total if part else 0.0
@@ -44,14 +50,17 @@ def accumulate(model: torch.nn.Module, samples: list, micro: int, pad: int, pack
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: Dataset, indices: list[int], bs: int, pad: int, pack_to: int | None,
-             ranks) -> dict:
+def evaluate(
+    model: torch.nn.Module, data: Dataset, indices: list[int], bs: int, pad: int, pack_to: int | None, ranks
+) -> dict:
     """The mean loss and token accuracy over ``indices`` of ``data``, over all ranks."""
     was = model.training
     model.eval()
     total, n, right = 0.0, 0, 0
     for part in ranks.share(indices, size=bs):
-        batch, cp, _ = ranks.batch([data[j] for j in part or indices[:1]], pad, pack_to)  # a stand-in keeps the ranks in step
+        batch, cp, _ = ranks.batch(
+            [data[j] for j in part or indices[:1]], pad, pack_to
+        )  # a stand-in keeps the ranks in step
         loss, k, r = batch_loss(model, batch, ranks.device, cp)
         if part:
             total, n, right = total + float(loss) * k, n + k, right + r

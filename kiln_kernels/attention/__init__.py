@@ -1,6 +1,7 @@
 """Causal attention over packed documents (no [T, T] mask): ``reference.py`` (the definition,
 and the per-document form the CPU runs) and ``flash.py`` (CUDA: torch's variable-length flash and
 memory-efficient kernels), one signature; ``varlen_attention`` picks by device."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,14 @@ from kiln_kernels.attention import reference
 from kiln_kernels.dispatch import fast
 
 
-def varlen_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHE: torch.Tensor, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+def varlen_attention(
+    q_THD: torch.Tensor,
+    k_SHD: torch.Tensor,
+    v_SHE: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
     """q [T, H, D] against k [S, H, D], v [S, H, E], documents cut by the host offsets ``cu_q`` and
     ``cu_k`` (``cu_k`` None: the same as ``cu_q``); o [T, H, E]. See reference.py."""
     if fast(q_THD, k_SHD, v_SHE):

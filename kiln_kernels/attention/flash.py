@@ -19,6 +19,7 @@ bench/RESULTS.md); fp32 takes ``efficient``. The varlen kernels' forwards are ke
 the other kernels' are (``kept("attention")``): the recompute never runs them again; SDPA's is an
 aten op (Swap Core's ``attention`` class).
 """
+
 from __future__ import annotations
 
 import torch
@@ -49,7 +50,8 @@ class _Flash(torch.autograd.Function):
 
         def run():
             out, lse, rng, unused, _ = aten._flash_attention_forward(
-                q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+                q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+            )
             return out, lse, rng, unused
 
         out, lse, rng, unused = kept("attention", run)
@@ -62,8 +64,9 @@ class _Flash(torch.autograd.Function):
         q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
         max_q, max_k, scale, D, E = ctx.shape
         do = _pad(do.contiguous(), out.shape[-1])
-        dq, dk, dv = aten._flash_attention_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True,
-                                                    rng, unused, scale=scale)
+        dq, dk, dv = aten._flash_attention_backward(
+            do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, rng, unused, scale=scale
+        )
         return dq[..., :D], dk[..., :D], dv[..., :E], None, None, None, None, None
 
 
@@ -72,7 +75,8 @@ class _Efficient(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
         def run():
             out, lse, seed, offset, _, _ = aten._efficient_attention_forward(
-                q[None], k[None], v[None], None, cu_q, cu_k, max_q, max_k, 0.0, 2, True, scale=scale)
+                q[None], k[None], v[None], None, cu_q, cu_k, max_q, max_k, 0.0, 2, True, scale=scale
+            )
             return out, lse, seed, offset
 
         out, lse, seed, offset = kept("attention", run)
@@ -85,8 +89,24 @@ class _Efficient(torch.autograd.Function):
         q, k, v, out, lse, cu_q, cu_k, seed, offset = ctx.saved_tensors
         max_q, max_k, scale = ctx.shape
         dq, dk, dv, _ = aten._efficient_attention_backward(
-            do.contiguous()[None], q[None], k[None], v[None], None, out, cu_q, cu_k, max_q, max_k, lse, 0.0,
-            seed, offset, 2, False, scale=scale)
+            do.contiguous()[None],
+            q[None],
+            k[None],
+            v[None],
+            None,
+            out,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            lse,
+            0.0,
+            seed,
+            offset,
+            2,
+            False,
+            scale=scale,
+        )
         return dq[0], dk[0], dv[0], None, None, None, None, None
 
 
@@ -108,9 +128,15 @@ def _sdpa(q, k, v, L: int, scale: float) -> torch.Tensor:
 BACKENDS = {"flash": _Flash, "efficient": _Efficient, "sdpa": None}
 
 
-def varlen_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHE: torch.Tensor, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor | None = None, scale: float | None = None,
-                     backend: str | None = None) -> torch.Tensor:
+def varlen_attention(
+    q_THD: torch.Tensor,
+    k_SHD: torch.Tensor,
+    v_SHE: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
     """``reference.varlen_attention``'s function (same arguments; offsets in host memory) on
     CUDA. ``backend`` for the benchmark; by default ``BF16_BACKEND`` for 16-bit inputs and
     ``efficient`` for fp32."""

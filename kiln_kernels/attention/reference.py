@@ -14,6 +14,7 @@ An empty document is allowed (two equal offsets): it has no queries.
 Legend: T queries, S keys, H heads, D query/key dim, E value dim, N documents.
 Shapes: q [T, H, D], k [S, H, D], v [S, H, E]; returns o [T, H, E] in q's dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,8 +46,14 @@ def document_mask(cu_q: torch.Tensor, cu_k: torch.Tensor, device: torch.device |
     return mask.to(device)
 
 
-def varlen_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHE: torch.Tensor, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+def varlen_attention(
+    q_THD: torch.Tensor,
+    k_SHD: torch.Tensor,
+    v_SHE: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
     """The definition: one [T, S] mask over the whole packed axis, the softmax in fp32 (fp64 for
     fp64 inputs). O(T * S) memory: for checking, not for training."""
     cu_k = cu_q if cu_k is None else cu_k
@@ -60,8 +67,14 @@ def varlen_attention(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHE: torch.Tens
     return torch.einsum("hts,she->the", p, v_SHE.to(up)).to(q_THD.dtype)
 
 
-def per_document(q_THD: torch.Tensor, k_SHD: torch.Tensor, v_SHE: torch.Tensor, cu_q: torch.Tensor,
-                 cu_k: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+def per_document(
+    q_THD: torch.Tensor,
+    k_SHD: torch.Tensor,
+    v_SHE: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
     """The same function, one document at a time through SDPA (its flash kernel on the CPU for
     plain causal documents): no [T, S] mask, memory of the largest document only. The CPU's form,
     and CUDA's for fp32 (torch's flash kernels take 16-bit inputs only)."""

@@ -1,5 +1,6 @@
 """Depth attention for AttnRes: ``reference.py`` (the definition, CPU) and ``triton.py`` (CUDA),
 one signature; ``depth_attention`` picks by device."""
+
 from __future__ import annotations
 
 import torch

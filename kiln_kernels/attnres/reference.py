@@ -7,6 +7,7 @@ the raw sources, the softmax over the sources for each token, in fp32. The refer
 
 Legend: L sources, B batch, T tokens, D hidden.
 """
+
 from __future__ import annotations
 
 import torch

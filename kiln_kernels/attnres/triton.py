@@ -13,6 +13,7 @@ partial dw, summed afterwards (no atomics). fp32 inside for any input dtype.
 
 Legend: L sources, N = B * T tokens, D hidden.
 """
+
 from __future__ import annotations
 
 import torch
@@ -104,8 +105,21 @@ class _DepthAttention(torch.autograd.Function):
         dw = torch.zeros((programs, D), dtype=torch.float32, device=v.device)
         block = triton.next_power_of_2(D)
         if N:
-            _bwd[(programs,)](v, w_D.contiguous(), dh.contiguous().view(N, D), lse, dv, dw, L, N, D, ctx.eps, rows,
-                              BLOCK_D=block, num_warps=_warps(block))
+            _bwd[(programs,)](
+                v,
+                w_D.contiguous(),
+                dh.contiguous().view(N, D),
+                lse,
+                dv,
+                dw,
+                L,
+                N,
+                D,
+                ctx.eps,
+                rows,
+                BLOCK_D=block,
+                num_warps=_warps(block),
+            )
         return dv.view(ctx.shape), dw.sum(0).to(w_D.dtype), None
 
 

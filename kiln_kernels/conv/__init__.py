@@ -2,6 +2,7 @@
 (the definition, CPU) and ``triton.py`` (CUDA: on the [B, T, C] layout as it comes, no transposes,
 the SiLU and the norm fused, documents found on the device), one signature; ``short_conv`` picks
 by device."""
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,9 @@ from kiln_kernels.conv import reference
 from kiln_kernels.dispatch import fast
 
 
-def short_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-               head_norm: int = 0) -> torch.Tensor:
+def short_conv(
+    x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None, head_norm: int = 0
+) -> torch.Tensor:
     if fast(x_BTC, weight_C1W):
         from kiln_kernels.conv import triton as impl  # imports triton: CUDA machines only
     else:

@@ -11,6 +11,7 @@ y / sqrt(sum y^2 + 1e-6), and returned in y's dtype.
 
 Legend: B rows, T tokens, C channels, W the filter's width.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,9 @@ import torch.nn.functional as F
 EPS = 1e-6  # the L2 norm's
 
 
-def short_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-               head_norm: int = 0) -> torch.Tensor:
+def short_conv(
+    x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None, head_norm: int = 0
+) -> torch.Tensor:
     W = weight_C1W.shape[-1]
     if cu_seqlens is None:
         y = F.conv1d(x_BTC.transpose(1, 2), weight_C1W, padding=W - 1, groups=x_BTC.shape[-1])

@@ -15,6 +15,7 @@ host sync.
 
 Legend: B rows, T tokens, C channels, W the filter's width.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,20 @@ BT, BC = 32, 128  # a tile: tokens x channels (with the norm: x one group, padde
 
 
 @triton.jit
-def _pre(x_ptr, w_ptr, start_ptr, u, t_ok, c, c_ok, C, W: tl.constexpr, DOCS: tl.constexpr,
-         BT: tl.constexpr, BC: tl.constexpr):
+def _pre(
+    x_ptr,
+    w_ptr,
+    start_ptr,
+    u,
+    t_ok,
+    c,
+    c_ok,
+    C,
+    W: tl.constexpr,
+    DOCS: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
     """pre[u] for the tile's tokens u (fp32): the taps before u's document start are zero."""
     if DOCS:
         s = tl.load(start_ptr + u, mask=t_ok, other=0)
@@ -54,8 +67,21 @@ def _channels(CH: tl.constexpr, BC: tl.constexpr, C):
 
 
 @triton.jit
-def _fwd(x_ptr, w_ptr, start_ptr, y_ptr, T, C, eps, W: tl.constexpr, DOCS: tl.constexpr, NORM: tl.constexpr,
-         CH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _fwd(
+    x_ptr,
+    w_ptr,
+    start_ptr,
+    y_ptr,
+    T,
+    C,
+    eps,
+    W: tl.constexpr,
+    DOCS: tl.constexpr,
+    NORM: tl.constexpr,
+    CH: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c, c_ok = _channels(CH, BC, C)
@@ -65,13 +91,30 @@ def _fwd(x_ptr, w_ptr, start_ptr, y_ptr, T, C, eps, W: tl.constexpr, DOCS: tl.co
     y = pre * tl.sigmoid(pre)  # zero in the padding: its x and w load as zero
     if NORM:
         y = y * tl.rsqrt(tl.sum(y * y, 1) + eps)[:, None]
-    tl.store(y_ptr + b * T * C + t[:, None] * C + c[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & c_ok[None, :])
+    tl.store(
+        y_ptr + b * T * C + t[:, None] * C + c[None, :],
+        y.to(y_ptr.dtype.element_ty),
+        mask=t_ok[:, None] & c_ok[None, :],
+    )
 
 
 @triton.jit
-def _dpre(x_ptr, w_ptr, start_ptr, dy_ptr, dpre_ptr, T, C, eps, W: tl.constexpr, DOCS: tl.constexpr,
-          NORM: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _dpre(
+    x_ptr,
+    w_ptr,
+    start_ptr,
+    dy_ptr,
+    dpre_ptr,
+    T,
+    C,
+    eps,
+    W: tl.constexpr,
+    DOCS: tl.constexpr,
+    NORM: tl.constexpr,
+    CH: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
     """dpre for a tile of outputs u: pre recomputed from x (W loads), through silu and the norm."""
     b = tl.program_id(2).to(tl.int64)
     u = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -86,13 +129,29 @@ def _dpre(x_ptr, w_ptr, start_ptr, dy_ptr, dpre_ptr, T, C, eps, W: tl.constexpr,
         r = tl.rsqrt(tl.sum(act * act, 1) + eps)
         y = act * r[:, None]
         ds = (ds - y * tl.sum(y * ds, 1)[:, None]) * r[:, None]
-    tl.store(dpre_ptr + at, (ds * sg * (1 + pre * (1 - sg))).to(dpre_ptr.dtype.element_ty),
-             mask=u_ok[:, None] & c_ok[None, :])
+    tl.store(
+        dpre_ptr + at,
+        (ds * sg * (1 + pre * (1 - sg))).to(dpre_ptr.dtype.element_ty),
+        mask=u_ok[:, None] & c_ok[None, :],
+    )
 
 
 @triton.jit
-def _dx(x_ptr, w_ptr, start_ptr, dpre_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr, DOCS: tl.constexpr,
-        NEED_DW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _dx(
+    x_ptr,
+    w_ptr,
+    start_ptr,
+    dpre_ptr,
+    dx_ptr,
+    dw_ptr,
+    T,
+    C,
+    W: tl.constexpr,
+    DOCS: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
     """dx for a tile of inputs t from the outputs of its document that read it; with NEED_DW, the
     tile's partial dw from its own outputs."""
     b = tl.program_id(2).to(tl.int64)
@@ -123,8 +182,11 @@ def _dx(x_ptr, w_ptr, start_ptr, dpre_ptr, dx_ptr, dw_ptr, T, C, W: tl.constexpr
             ok = t_ok & (src >= s)
             xv = tl.load(x_ptr + src[:, None] * C + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
             tl.store(dw_ptr + (row * C + c) * W + i, tl.sum(dp * xv.to(tl.float32), 0), mask=c_ok)
-    tl.store(dx_ptr + b * T * C + t[:, None] * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & c_ok[None, :])
+    tl.store(
+        dx_ptr + b * T * C + t[:, None] * C + c[None, :],
+        dx.to(dx_ptr.dtype.element_ty),
+        mask=t_ok[:, None] & c_ok[None, :],
+    )
 
 
 def _starts(cu_seqlens: torch.Tensor | None, T: int, device) -> torch.Tensor | None:
@@ -141,7 +203,11 @@ def _tiles(B: int, T: int, C: int, head_norm: int) -> tuple[tuple[int, int, int]
     """The grid and the tile's sizes: one group of channels a tile with the norm, BC without."""
     CH = head_norm or BC
     return (triton.cdiv(T, BT), triton.cdiv(C, CH), B), {
-        "NORM": bool(head_norm), "CH": CH, "BT": BT, "BC": triton.next_power_of_2(CH)}
+        "NORM": bool(head_norm),
+        "CH": CH,
+        "BT": BT,
+        "BC": triton.next_power_of_2(CH),
+    }
 
 
 class _ShortConv(torch.autograd.Function):
@@ -172,8 +238,9 @@ class _ShortConv(torch.autograd.Function):
         return dx, dw, None, None
 
 
-def short_conv(x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-               head_norm: int = 0) -> torch.Tensor:
+def short_conv(
+    x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None, head_norm: int = 0
+) -> torch.Tensor:
     """[B, T, C] in the autocast dtype (x's dtype without autocast), as the reference's F.conv1d."""
     if head_norm and x_BTC.shape[-1] % head_norm:
         raise ValueError(f"head_norm {head_norm} does not divide the {x_BTC.shape[-1]} channels")

@@ -1,5 +1,6 @@
 """DeepSeek Sparse Attention: ``reference.py`` (the definition, CPU) and ``triton.py`` (CUDA), one
 signature; each function picks by device (``kiln_kernels.dispatch``)."""
+
 from __future__ import annotations
 
 import torch
@@ -12,13 +13,15 @@ from kiln_kernels.dsa.reference import allowed_keys, indexer_scores
 def _impl(*tensors: torch.Tensor):
     if fast(*tensors):
         from kiln_kernels.dsa import triton as impl  # imports triton: CUDA machines only
+
         return impl
     return reference
 
 
 @torch.library.custom_op("kiln::indexer_topk", mutates_args=())
-def _topk_op(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
-             topk: int) -> torch.Tensor:
+def _topk_op(
+    q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor, topk: int
+) -> torch.Tensor:
     """``reference.indexer_topk`` or its kernel, as one op (``kiln::indexer_topk``).
 
     Scored outside autocast, always (fp32, as the kernel does): a dispatch mode runs a custom op's
@@ -33,8 +36,9 @@ def _(q_BTJD, k_BSD, w_BTJ, starts_BT, topk):
     return q_BTJD.new_empty(*q_BTJD.shape[:2], min(topk, k_BSD.shape[1]), dtype=torch.int32)
 
 
-def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
-                 topk: int) -> torch.Tensor:
+def indexer_topk(
+    q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor, topk: int
+) -> torch.Tensor:
     """The keys each query attends to. A selection: Swap Core keeps it whenever it keeps anything
     (``kept``), so that a recompute attends to the keys the forward chose."""
     return kept("indexer_topk", lambda: _topk_op(q_BTJD, k_BSD, w_BTJ, starts_BT, topk))

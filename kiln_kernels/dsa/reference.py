@@ -18,6 +18,7 @@ H / G query heads (G = 1 is MLA's absorbed, multi-query form; G = H plain multi-
 Legend: B batch, T queries, S keys (= T; more under context parallel, the queries then the last T
 of them, B = 1), H heads, G key heads, J index heads, D dims, K top-k.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,9 @@ def allowed_keys(starts_BT: torch.Tensor, S: int) -> torch.Tensor:
     return (s >= starts_BT[..., None]) & (s <= t[:, None])
 
 
-def indexer_scores(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor,
-                   starts_BT: torch.Tensor) -> torch.Tensor:
+def indexer_scores(
+    q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor
+) -> torch.Tensor:
     """Index scores [B, T, S] (fp32 or fp64), -inf where a key is not allowed."""
     up = torch.promote_types(q_BTJD.dtype, torch.float32)
     scale = q_BTJD.shape[-1] ** -0.5
@@ -42,8 +44,9 @@ def indexer_scores(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tenso
     return scores.masked_fill(~allowed_keys(starts_BT, k_BSD.shape[1]), float("-inf"))
 
 
-def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
-                 topk: int) -> torch.Tensor:
+def indexer_topk(
+    q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor, topk: int
+) -> torch.Tensor:
     """The k best allowed keys of each query, [B, T, min(k, S)] int32, in descending position,
     -1 after the last. Ties (ReLU makes exact zeros common) go to the earlier key, so the choice
     does not depend on where a document sits in a packed row."""
@@ -71,8 +74,14 @@ def _head_scores(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, idx_BTK: torch.Tens
     return s.masked_fill((idx_BTK < 0)[:, :, None], float("-inf"))
 
 
-def sparse_attention(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGE: torch.Tensor, idx_BTK: torch.Tensor,
-                     scale: float, with_weights: bool = False):
+def sparse_attention(
+    q_BTHD: torch.Tensor,
+    k_BSGD: torch.Tensor,
+    v_BSGE: torch.Tensor,
+    idx_BTK: torch.Tensor,
+    scale: float,
+    with_weights: bool = False,
+):
     """Attention of each query over its selected keys only, [B, T, H, E]. ``with_weights`` also
     returns the indexer's target: the probabilities on the selected keys averaged over heads,
     [B, T, K] fp32 (fp64 for fp64 inputs; 0 where idx is -1, summing to 1 per query), without a
@@ -86,8 +95,9 @@ def sparse_attention(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGE: torch.T
     return (o, p.detach().mean(2)) if with_weights else o
 
 
-def indexer_kl_loss(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, idx_BTK: torch.Tensor,
-                    p_BTK: torch.Tensor) -> torch.Tensor:
+def indexer_kl_loss(
+    q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, idx_BTK: torch.Tensor, p_BTK: torch.Tensor
+) -> torch.Tensor:
     """sum_t KL(p_t || softmax of the index scores over S_t), averaged over the batch. Gradients
     reach q, k and w; ``p_BTK`` is a target."""
     up = torch.promote_types(q_BTJD.dtype, torch.float32)

@@ -19,6 +19,7 @@ the indexer's top-k and without gathered copies of the keys.
 The head dim is split into a power-of-two part and a remainder (576 = 512 + 64, 192 = 128 + 64)
 so that no lane of the dot products is padding. fp32 inputs use IEEE dots.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,8 +60,24 @@ def _one_row_if_longer(q: torch.Tensor, k: torch.Tensor) -> None:
 
 
 @triton.jit
-def _index_keys(Q, Kx, W, STARTS, OUT, t0, t1, T, S, scale, J: tl.constexpr,
-                DH: tl.constexpr, DH_PAD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+def _index_keys(
+    Q,
+    Kx,
+    W,
+    STARTS,
+    OUT,
+    t0,
+    t1,
+    T,
+    S,
+    scale,
+    J: tl.constexpr,
+    DH: tl.constexpr,
+    DH_PAD: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Sort keys of queries [t0, t1) against keys [0, t1 + S - T): the queries are the last T of
     the S keys (S = T but under context parallel)."""
     pm, pn, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -76,11 +93,15 @@ def _index_keys(Q, Kx, W, STARTS, OUT, t0, t1, T, S, scale, J: tl.constexpr,
     dm = d < DH
     acc = tl.zeros([BM, BN], tl.float32)
     if (pn * BN <= hi) & (pn * BN + BN > lo):
-        k = tl.load(Kx + (b * S + cols[:, None]).to(tl.int64) * DH + d[None, :], mask=col_ok[:, None] & dm[None, :],
-                    other=0.0)
+        k = tl.load(
+            Kx + (b * S + cols[:, None]).to(tl.int64) * DH + d[None, :], mask=col_ok[:, None] & dm[None, :], other=0.0
+        )
         for j in range(J):
-            q = tl.load(Q + ((b * T + rows[:, None]).to(tl.int64) * J + j) * DH + d[None, :],
-                        mask=row_ok[:, None] & dm[None, :], other=0.0)
+            q = tl.load(
+                Q + ((b * T + rows[:, None]).to(tl.int64) * J + j) * DH + d[None, :],
+                mask=row_ok[:, None] & dm[None, :],
+                other=0.0,
+            )
             w = tl.load(W + (b * T + rows).to(tl.int64) * J + j, mask=row_ok, other=0.0).to(tl.float32)
             dots = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
             acc += w[:, None] * tl.maximum(dots, 0.0)
@@ -95,8 +116,9 @@ def _index_keys(Q, Kx, W, STARTS, OUT, t0, t1, T, S, scale, J: tl.constexpr,
     tl.store(out, key, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor,
-                 topk: int) -> torch.Tensor:
+def indexer_topk(
+    q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor, topk: int
+) -> torch.Tensor:
     B, T, J, DH = q_BTJD.shape
     S = k_BSD.shape[1]
     K = min(topk, S)
@@ -110,11 +132,27 @@ def indexer_topk(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor,
         width = t1 + S - T  # the keys these queries may see, at most
         keys = torch.empty(B, t1 - t0, width, dtype=torch.int64, device=q.device)
         grid = (triton.cdiv(t1 - t0, BM), triton.cdiv(width, BN), B)
-        _index_keys[grid](q, k, w, starts, keys, t0, t1, T, S, DH ** -0.5, J=J, DH=DH, DH_PAD=_pow2(DH), BM=BM, BN=BN,
-                          PREC=dot_precision(q))
+        _index_keys[grid](
+            q,
+            k,
+            w,
+            starts,
+            keys,
+            t0,
+            t1,
+            T,
+            S,
+            DH**-0.5,
+            J=J,
+            DH=DH,
+            DH_PAD=_pow2(DH),
+            BM=BM,
+            BN=BN,
+            PREC=dot_precision(q),
+        )
         best = keys.topk(min(K, width), dim=-1, sorted=False).values
         pos = torch.where(best == NONE, -1, 0x7FFFFFFF - (best & 0xFFFFFFFF)).to(torch.int32)
-        idx[:, t0:t1, :pos.shape[-1]] = pos.sort(-1, descending=True).values
+        idx[:, t0:t1, : pos.shape[-1]] = pos.sort(-1, descending=True).values
     return idx
 
 
@@ -142,9 +180,28 @@ def _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd(Q, Kk, V, IDX, CNT, O, LSE, T, NK, scale2, H: tl.constexpr, G: tl.constexpr,
-              D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, E: tl.constexpr, EB: tl.constexpr,
-              BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _attn_fwd(
+    Q,
+    Kk,
+    V,
+    IDX,
+    CNT,
+    O,
+    LSE,
+    T,
+    NK,
+    scale2,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    E: tl.constexpr,
+    EB: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """A program per (query, key head, block of BH query heads x EB value dims)."""
     t, bg, he = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
@@ -172,8 +229,11 @@ def _attn_fwd(Q, Kk, V, IDX, CNT, O, LSE, T, NK, scale2, H: tl.constexpr, G: tl.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     l_safe = tl.where(l > 0, l, 1.0)
-    tl.store(O + qrow[:, None] * E + e[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
-             mask=h_ok[:, None] & (e[None, :] < E))
+    tl.store(
+        O + qrow[:, None] * E + e[None, :],
+        (acc / l_safe[:, None]).to(O.dtype.element_ty),
+        mask=h_ok[:, None] & (e[None, :] < E),
+    )
     if he % NE == 0:
         tl.store(LSE + qrow, m + tl.log2(l_safe), mask=h_ok)
 
@@ -188,8 +248,25 @@ def _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC: tl.constexpr):
 
 
 @triton.jit
-def _head_block(Q, DO, LSE, DELTA, b, t, T, g, h0, H: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                DA: tl.constexpr, DB: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, BH: tl.constexpr):
+def _head_block(
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    b,
+    t,
+    T,
+    g,
+    h0,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BH: tl.constexpr,
+):
     HG: tl.constexpr = H // G
     heads = h0 + tl.arange(0, BH)
     h_ok = heads < HG
@@ -203,14 +280,37 @@ def _head_block(Q, DO, LSE, DELTA, b, t, T, g, h0, H: tl.constexpr, G: tl.conste
 
 
 @triton.jit
-def _attn_bwd_dq(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DQ, T, NK, scale, scale2, H: tl.constexpr, G: tl.constexpr,
-                 D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                 BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _attn_bwd_dq(
+    Q,
+    Kk,
+    V,
+    IDX,
+    CNT,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    T,
+    NK,
+    scale,
+    scale2,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """A program per (query, key head, block of BH query heads): dq, no atomics."""
     t, bg, hb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
-    qrow, h_ok, qa, qb, do, lse, delta = _head_block(Q, DO, LSE, DELTA, b, t, T, g, hb * BH, H, G, D, DA, DB, E,
-                                                     E_PAD, BH)
+    qrow, h_ok, qa, qb, do, lse, delta = _head_block(
+        Q, DO, LSE, DELTA, b, t, T, g, hb * BH, H, G, D, DA, DB, E, E_PAD, BH
+    )
     e = tl.arange(0, E_PAD)
     dqa = tl.zeros([BH, DA], tl.float32)
     dqb = tl.zeros([BH, DB], tl.float32)
@@ -225,15 +325,43 @@ def _attn_bwd_dq(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DQ, T, NK, scale, scale2, H
     da = tl.arange(0, DA)
     db = DA + tl.arange(0, DB)
     tl.store(DQ + qrow[:, None] * D + da[None, :], (dqa * scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
-    tl.store(DQ + qrow[:, None] * D + db[None, :], (dqb * scale).to(DQ.dtype.element_ty),
-             mask=h_ok[:, None] & (db[None, :] < D))
+    tl.store(
+        DQ + qrow[:, None] * D + db[None, :],
+        (dqb * scale).to(DQ.dtype.element_ty),
+        mask=h_ok[:, None] & (db[None, :] < D),
+    )
 
 
 @triton.jit
-def _attn_bwd_dkv(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DK, DV, T, NK, scale, scale2, t0, TC, H: tl.constexpr,
-                  G: tl.constexpr, D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, E: tl.constexpr,
-                  E_PAD: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-                  ORDERED: tl.constexpr):
+def _attn_bwd_dkv(
+    Q,
+    Kk,
+    V,
+    IDX,
+    CNT,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    T,
+    NK,
+    scale,
+    scale2,
+    t0,
+    TC,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+    ORDERED: tl.constexpr,
+):
     """A program per (query, key head): dk and dv of each selected key summed over the group's
     query heads in registers, then one fp32 atomic add per key. ``ORDERED``: the queries
     [t0, t0 + TC) only, each writing its share to its own slot of DK [B, TC, G, NK, D] and
@@ -253,8 +381,9 @@ def _attn_bwd_dkv(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DK, DV, T, NK, scale, scal
         dkb = tl.zeros([BK, DB], tl.float32)
         dv = tl.zeros([BK, E_PAD], tl.float32)
         for h0 in range(0, HG, BH):
-            qrow, h_ok, qa, qb, do, lse, delta = _head_block(Q, DO, LSE, DELTA, b, t, T, g, h0, H, G, D, DA, DB, E,
-                                                             E_PAD, BH)
+            qrow, h_ok, qa, qb, do, lse, delta = _head_block(
+                Q, DO, LSE, DELTA, b, t, T, g, h0, H, G, D, DA, DB, E, E_PAD, BH
+            )
             p, ds = _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
             dka += tl.dot(tl.trans(ds.to(qa.dtype)), qa, input_precision=PREC)
@@ -266,16 +395,32 @@ def _attn_bwd_dkv(Q, Kk, V, IDX, CNT, DO, LSE, DELTA, DK, DV, T, NK, scale, scal
             tl.store(DV + slot[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E))
         else:
             tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka * scale, mask=ok[:, None], sem="relaxed")
-            tl.atomic_add(DK + krow[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D),
-                          sem="relaxed")
-            tl.atomic_add(DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E),
-                          sem="relaxed")
+            tl.atomic_add(
+                DK + krow[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D), sem="relaxed"
+            )
+            tl.atomic_add(DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E), sem="relaxed")
 
 
 @triton.jit
-def _attn_weights(Q, Kk, IDX, CNT, LSE, P, T, NK, scale2, H: tl.constexpr, G: tl.constexpr,
-                  D: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
-                  PREC: tl.constexpr):
+def _attn_weights(
+    Q,
+    Kk,
+    IDX,
+    CNT,
+    LSE,
+    P,
+    T,
+    NK,
+    scale2,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    DA: tl.constexpr,
+    DB: tl.constexpr,
+    BH: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """A program per query: its probabilities on each selected key, averaged over all heads."""
     t, b = tl.program_id(0), tl.program_id(1)
     HG: tl.constexpr = H // G
@@ -298,8 +443,12 @@ def _attn_weights(Q, Kk, IDX, CNT, LSE, P, T, NK, scale2, H: tl.constexpr, G: tl
 
 
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
-CONFIG = {"fwd": dict(BH=16, EB=512, BK=32, num_warps=4), "dq": dict(BH=16, BK=32, num_warps=4),
-          "dkv": dict(BH=32, BK=32, num_warps=8), "weights": dict(BH=16, BK=32, num_warps=4)}
+CONFIG = {
+    "fwd": dict(BH=16, EB=512, BK=32, num_warps=4),
+    "dq": dict(BH=16, BK=32, num_warps=4),
+    "dkv": dict(BH=32, BK=32, num_warps=8),
+    "weights": dict(BH=16, BK=32, num_warps=4),
+}
 
 
 ORDERED_BYTES = 2**29  # the buffers of one chunk of a deterministic backward
@@ -323,7 +472,7 @@ def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor]) 
     g = torch.arange(G, device=idx_BTK.device)[None, None, :, None]
     for t0 in range(0, T, tc):
         n = min(tc, T - t0)
-        rows = ((b * T + idx_BTK[:, t0:t0 + n, None, :].clamp(min=0).long()) * G + g).reshape(-1)
+        rows = ((b * T + idx_BTK[:, t0 : t0 + n, None, :].clamp(min=0).long()) * G + g).reshape(-1)
         bufs = [torch.zeros(B, n, G, NK, w, device=idx_BTK.device) for w in widths]
         launch(t0, n, bufs, True)
         for out, buf, w in zip(outs, bufs, widths, strict=True):
@@ -366,9 +515,9 @@ class _SparseAttention(torch.autograd.Function):
                 return o, lse, None
             p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device)
             meta_w = {n: meta[n] for n in ("H", "G", "D", "DA", "DB", "PREC")}
-            _attn_weights[(T, B)](q, k, idx, cnt, lse, p, T, NK, scale2, **meta_w,
-                                  **_bh(CONFIG["weights"], H // G, q))
+            _attn_weights[(T, B)](q, k, idx, cnt, lse, p, T, NK, scale2, **meta_w, **_bh(CONFIG["weights"], H // G, q))
             return o, lse, p
+
         o, lse, p = kept("sparse_attention", run)
         ctx.save_for_backward(q, k, v, idx, cnt, o, lse)
         ctx.scale = scale
@@ -389,19 +538,45 @@ class _SparseAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         scale, scale2 = ctx.scale, ctx.scale * math.log2(math.e)
         cfg = _bh(CONFIG["dq"], H // G, q)
-        _attn_bwd_dq[(T, B * G, triton.cdiv(H // G, cfg["BH"]))](q, k, v, idx, cnt, do, lse, delta, dq, T, NK, scale,
-                                                                 scale2, **meta, **cfg)
+        _attn_bwd_dq[(T, B * G, triton.cdiv(H // G, cfg["BH"]))](
+            q, k, v, idx, cnt, do, lse, delta, dq, T, NK, scale, scale2, **meta, **cfg
+        )
         cfg = _bh(CONFIG["dkv"], H // G, q)
 
         def dkv(t0, tc, targets, ordered):
-            _attn_bwd_dkv[(tc, B * G)](q, k, v, idx, cnt, do, lse, delta, *targets, T, NK, scale, scale2, t0, tc,
-                                       **meta, **cfg, ORDERED=ordered)
+            _attn_bwd_dkv[(tc, B * G)](
+                q,
+                k,
+                v,
+                idx,
+                cnt,
+                do,
+                lse,
+                delta,
+                *targets,
+                T,
+                NK,
+                scale,
+                scale2,
+                t0,
+                tc,
+                **meta,
+                **cfg,
+                ORDERED=ordered,
+            )
+
         _key_grads(dkv, idx, G, [dk, dv])
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def sparse_attention(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGE: torch.Tensor, idx_BTK: torch.Tensor,
-                     scale: float, with_weights: bool = False):
+def sparse_attention(
+    q_BTHD: torch.Tensor,
+    k_BSGD: torch.Tensor,
+    v_BSGE: torch.Tensor,
+    idx_BTK: torch.Tensor,
+    scale: float,
+    with_weights: bool = False,
+):
     _one_row_if_longer(q_BTHD, k_BSGD)
     dt = q_BTHD.dtype
     o, p = _SparseAttention.apply(q_BTHD, k_BSGD.to(dt), v_BSGE.to(dt), idx_BTK, scale, with_weights)
@@ -413,14 +588,32 @@ def sparse_attention(q_BTHD: torch.Tensor, k_BSGD: torch.Tensor, v_BSGE: torch.T
 
 
 @triton.jit
-def _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J: tl.constexpr,
-                DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr, PREC: tl.constexpr):
+def _index_dots(
+    Q,
+    Kx,
+    W,
+    b,
+    t,
+    T,
+    idx,
+    ok,
+    scale,
+    J: tl.constexpr,
+    DH: tl.constexpr,
+    DH_PAD: tl.constexpr,
+    J_PAD: tl.constexpr,
+    PREC: tl.constexpr,
+):
     j = tl.arange(0, J_PAD)
     d = tl.arange(0, DH_PAD)
-    q = tl.load(Q + ((b * T + t).to(tl.int64) * J + j[:, None]) * DH + d[None, :],
-                mask=(j[:, None] < J) & (d[None, :] < DH), other=0.0)
-    k = tl.load(Kx + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], mask=ok[:, None] & (d[None, :] < DH),
-                other=0.0)
+    q = tl.load(
+        Q + ((b * T + t).to(tl.int64) * J + j[:, None]) * DH + d[None, :],
+        mask=(j[:, None] < J) & (d[None, :] < DH),
+        other=0.0,
+    )
+    k = tl.load(
+        Kx + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], mask=ok[:, None] & (d[None, :] < DH), other=0.0
+    )
     w = tl.load(W + (b * T + t).to(tl.int64) * J + j, mask=j < J, other=0.0).to(tl.float32)
     dots = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [J_PAD, BK]
     scores = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
@@ -428,8 +621,26 @@ def _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J: tl.constexpr,
 
 
 @triton.jit
-def _kl_fwd(Q, Kx, W, IDX, CNT, P, LOSS, LSE, PSUM, T, NK, scale, J: tl.constexpr,
-            DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+def _kl_fwd(
+    Q,
+    Kx,
+    W,
+    IDX,
+    CNT,
+    P,
+    LOSS,
+    LSE,
+    PSUM,
+    T,
+    NK,
+    scale,
+    J: tl.constexpr,
+    DH: tl.constexpr,
+    DH_PAD: tl.constexpr,
+    J_PAD: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+):
     t, b = tl.program_id(0), tl.program_id(1)
     cnt = tl.load(CNT + b * T + t)
     m = tl.full([BK], float("-inf"), tl.float32)  # per lane: a running logsumexp and the sums of p terms
@@ -460,9 +671,33 @@ def _kl_fwd(Q, Kx, W, IDX, CNT, P, LOSS, LSE, PSUM, T, NK, scale, J: tl.constexp
 
 
 @triton.jit
-def _kl_bwd(Q, Kx, W, IDX, CNT, P, LSE, PSUM, GRAD, DQ, DK, DW, T, NK, scale, inv_B, t0, TC, J: tl.constexpr,
-            DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
-            ORDERED: tl.constexpr):
+def _kl_bwd(
+    Q,
+    Kx,
+    W,
+    IDX,
+    CNT,
+    P,
+    LSE,
+    PSUM,
+    GRAD,
+    DQ,
+    DK,
+    DW,
+    T,
+    NK,
+    scale,
+    inv_B,
+    t0,
+    TC,
+    J: tl.constexpr,
+    DH: tl.constexpr,
+    DH_PAD: tl.constexpr,
+    J_PAD: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+    ORDERED: tl.constexpr,
+):
     """A program per query; its dk shares by fp32 atomics, or (``ORDERED``, queries [t0, t0 + TC))
     into its own slots of DK [B, TC, NK, DH] as _attn_bwd_dkv does."""
     t, b = t0 + tl.program_id(0), tl.program_id(1)
@@ -490,8 +725,12 @@ def _kl_bwd(Q, Kx, W, IDX, CNT, P, LSE, PSUM, GRAD, DQ, DK, DW, T, NK, scale, in
             slot = (b * TC + t - t0).to(tl.int64) * NK + kk
             tl.store(DK + slot[:, None] * DH + d[None, :], dk, mask=ok[:, None] & (d[None, :] < DH))
         else:
-            tl.atomic_add(DK + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], dk,
-                          mask=ok[:, None] & (d[None, :] < DH), sem="relaxed")
+            tl.atomic_add(
+                DK + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :],
+                dk,
+                mask=ok[:, None] & (d[None, :] < DH),
+                sem="relaxed",
+            )
     row = (b * T + t).to(tl.int64) * J + j
     tl.store(DQ + row[:, None] * DH + d[None, :], dq.to(DQ.dtype.element_ty), mask=(j[:, None] < J) & (d[None, :] < DH))
     tl.store(DW + row, dw.to(DW.dtype.element_ty), mask=j < J)
@@ -512,8 +751,9 @@ class _IndexerKL(torch.autograd.Function):
 
         def run():
             loss, lse, psum = (torch.empty(B, T, dtype=torch.float32, device=q.device) for _ in range(3))
-            _kl_fwd[(T, B)](q, k, w, idx, cnt, p, loss, lse, psum, T, idx.shape[-1], DH ** -0.5, J=J, **_kl_meta(q))
+            _kl_fwd[(T, B)](q, k, w, idx, cnt, p, loss, lse, psum, T, idx.shape[-1], DH**-0.5, J=J, **_kl_meta(q))
             return loss, lse, psum
+
         loss, lse, psum = kept("indexer_kl", run)
         ctx.save_for_backward(q, k, w, idx, cnt, p, lse, psum)
         return loss.sum() / B
@@ -527,13 +767,36 @@ class _IndexerKL(torch.autograd.Function):
         grad = grad.contiguous()
 
         def kl_dk(t0, tc, targets, ordered):
-            _kl_bwd[(tc, B)](q, k, w, idx, cnt, p, lse, psum, grad, dq, *targets, dw, T, idx.shape[-1], DH ** -0.5,
-                             1.0 / B, t0, tc, J=J, **_kl_meta(q), ORDERED=ordered)
+            _kl_bwd[(tc, B)](
+                q,
+                k,
+                w,
+                idx,
+                cnt,
+                p,
+                lse,
+                psum,
+                grad,
+                dq,
+                *targets,
+                dw,
+                T,
+                idx.shape[-1],
+                DH**-0.5,
+                1.0 / B,
+                t0,
+                tc,
+                J=J,
+                **_kl_meta(q),
+                ORDERED=ordered,
+            )
+
         _key_grads(kl_dk, idx, 1, [dk])
         return dq, dk.to(k.dtype), dw, None, None
 
 
-def indexer_kl_loss(q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, idx_BTK: torch.Tensor,
-                    p_BTK: torch.Tensor) -> torch.Tensor:
+def indexer_kl_loss(
+    q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, idx_BTK: torch.Tensor, p_BTK: torch.Tensor
+) -> torch.Tensor:
     _one_row_if_longer(q_BTJD, k_BSD)
     return _IndexerKL.apply(q_BTJD, k_BSD, w_BTJ, idx_BTK, p_BTK)

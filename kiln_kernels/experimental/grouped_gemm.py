@@ -13,6 +13,7 @@ experts), do not. Measured: see bench/RESULTS.md, "MoE grouped GEMM at torch's s
 session) and the MoE sections before it; ``python3 -m bench.moe`` times it beside torch's.
 Tests: tests/gpu/test_grouped_gemm.py.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,8 +30,10 @@ from kiln_kernels.moe.reference import Lora
 # the tile and reduction loops pipelined as one, whole tiles stored by TMA in two halves; where
 # TMA cannot take the shapes, the pointer kernel with GROUP 8), "weights" for dW_e (persistent, TMA
 # loads, warp-specialised)
-CONFIG = {"rows": dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, STORE=2, num_warps=8, num_stages=3),
-          "weights": dict(BM=64, BN=256, BK=128, TMA=True, WS=1, num_warps=4, num_stages=4)}
+CONFIG = {
+    "rows": dict(BM=128, BN=256, BK=64, GROUP=8, TMA=True, FLAT=1, STORE=2, num_warps=8, num_stages=3),
+    "weights": dict(BM=64, BN=256, BK=128, TMA=True, WS=1, num_warps=4, num_stages=4),
+}
 
 
 def _config(x: torch.Tensor, which: str) -> dict:
@@ -42,9 +45,27 @@ def _config(x: torch.Tensor, which: str) -> dict:
 
 
 @triton.jit
-def _gmm_rows(X, W, Y, TILE_E, TILE_ROW, OFFS, C, R, swe, swc, swr, TILES_M, TILES_N,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-              PREC: tl.constexpr):
+def _gmm_rows(
+    X,
+    W,
+    Y,
+    TILE_E,
+    TILE_ROW,
+    OFFS,
+    C,
+    R,
+    swe,
+    swc,
+    swr,
+    TILES_M,
+    TILES_N,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Y[m, c] = sum_r X[m, r] W[e, c, r] for the rows m of one tile of group e.
 
     One program id over (row tile, column tile), GROUP row tiles at a time across all column
@@ -77,14 +98,39 @@ def _gmm_rows(X, W, Y, TILE_E, TILE_ROW, OFFS, C, R, swe, swc, swr, TILES_M, TIL
             acc = tl.dot(a, b, acc, input_precision=PREC)
             a_ptr += BK
             b_ptr += BK * swr
-        tl.store(Y + rows[:, None].to(tl.int64) * C + cols[None, :], acc.to(Y.dtype.element_ty),
-                 mask=r_ok[:, None] & c_ok[None, :])
+        tl.store(
+            Y + rows[:, None].to(tl.int64) * C + cols[None, :],
+            acc.to(Y.dtype.element_ty),
+            mask=r_ok[:, None] & c_ok[None, :],
+        )
 
 
 @triton.jit
-def _gmm_rows_tma(X, W, Y, TILE_E, TILE_ROW, OFFS, BOUNDS, LO, HI, M, C, R, E, TILES_N, NUM_SMS,
-                  TRANS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  WS: tl.constexpr, FLAT: tl.constexpr, STORE: tl.constexpr, PREC: tl.constexpr):
+def _gmm_rows_tma(
+    X,
+    W,
+    Y,
+    TILE_E,
+    TILE_ROW,
+    OFFS,
+    BOUNDS,
+    LO,
+    HI,
+    M,
+    C,
+    R,
+    E,
+    TILES_N,
+    NUM_SMS,
+    TRANS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    WS: tl.constexpr,
+    FLAT: tl.constexpr,
+    STORE: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """``_gmm_rows`` as a persistent kernel whose tiles come in through TMA descriptors made on
     the device (with ``WS``, a warp-specialised loop: loads and MMAs in their own warps; with
     ``FLAT``, the tile and reduction loops pipelined as one, so the next tile's loads overlap
@@ -107,8 +153,9 @@ def _gmm_rows_tma(X, W, Y, TILE_E, TILE_ROW, OFFS, BOUNDS, LO, HI, M, C, R, E, T
         y_d = tl.make_tensor_descriptor(Y, shape=[M, C], strides=[C, 1], block_shape=[BM, BN])
     first = tl.load(BOUNDS + LO) * TILES_N
     tile_c = first + tl.program_id(0) - NUM_SMS  # the epilogue's own count (pipelining keeps it apart)
-    for i in tl.range(tl.program_id(0), tl.load(BOUNDS + HI) * TILES_N - first, NUM_SMS, flatten=FLAT,
-                      warp_specialize=WS):
+    for i in tl.range(
+        tl.program_id(0), tl.load(BOUNDS + HI) * TILES_N - first, NUM_SMS, flatten=FLAT, warp_specialize=WS
+    ):
         tile = first + i
         e = tl.load(TILE_E + tile // TILES_N)
         row0 = tl.load(TILE_ROW + tile // TILES_N)
@@ -139,8 +186,7 @@ def _gmm_rows_tma(X, W, Y, TILE_E, TILE_ROW, OFFS, BOUNDS, LO, HI, M, C, R, E, T
 
 
 @triton.jit
-def _gmm_weights(DY, X, DW, OFFS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 PREC: tl.constexpr):
+def _gmm_weights(DY, X, DW, OFFS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     """DW[e] = DY_e^T X_e: the reduction over group e's rows."""
     pid_n, pid_k, e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
@@ -154,13 +200,32 @@ def _gmm_weights(DY, X, DW, OFFS, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: 
         dy = tl.load(DY + rows[:, None].to(tl.int64) * N + ns[None, :], mask=ok[:, None] & (ns[None, :] < N), other=0.0)
         x = tl.load(X + rows[:, None].to(tl.int64) * K + ks[None, :], mask=ok[:, None] & (ks[None, :] < K), other=0.0)
         acc = tl.dot(tl.trans(dy), x, acc, input_precision=PREC)
-    tl.store(DW + e.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :], acc.to(DW.dtype.element_ty),
-             mask=(ns[:, None] < N) & (ks[None, :] < K))
+    tl.store(
+        DW + e.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :],
+        acc.to(DW.dtype.element_ty),
+        mask=(ns[:, None] < N) & (ks[None, :] < K),
+    )
 
 
 @triton.jit
-def _gmm_weights_tma(DY, X, DW, OFFS, N, K, E, TILES_N, TILES_K, NUM_SMS, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, WS: tl.constexpr, FLAT: tl.constexpr, PREC: tl.constexpr):
+def _gmm_weights_tma(
+    DY,
+    X,
+    DW,
+    OFFS,
+    N,
+    K,
+    E,
+    TILES_N,
+    TILES_K,
+    NUM_SMS,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    WS: tl.constexpr,
+    FLAT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """``_gmm_weights`` as a persistent kernel over the tiles (expert, N block, K block): each
     reads its group's rows through descriptors made for that group on the device, whose shape
     ends at the group's last row (TMA fills the last block past it with zeros: no masks).
@@ -174,17 +239,22 @@ def _gmm_weights_tma(DY, X, DW, OFFS, N, K, E, TILES_N, TILES_K, NUM_SMS, BM: tl
         pid_k = tile % TILES_K
         start = tl.load(OFFS + e - 1, mask=e > 0, other=0)
         rows = tl.load(OFFS + e) - start
-        dy_d = tl.make_tensor_descriptor(DY + start.to(tl.int64) * N, shape=[tl.maximum(rows, 1), N], strides=[N, 1],
-                                         block_shape=[BM, BN])
-        x_d = tl.make_tensor_descriptor(X + start.to(tl.int64) * K, shape=[tl.maximum(rows, 1), K], strides=[K, 1],
-                                        block_shape=[BM, BK])
+        dy_d = tl.make_tensor_descriptor(
+            DY + start.to(tl.int64) * N, shape=[tl.maximum(rows, 1), N], strides=[N, 1], block_shape=[BM, BN]
+        )
+        x_d = tl.make_tensor_descriptor(
+            X + start.to(tl.int64) * K, shape=[tl.maximum(rows, 1), K], strides=[K, 1], block_shape=[BM, BK]
+        )
         acc = tl.zeros([BN, BK], tl.float32)
         for m0 in range(0, rows, BM):
             acc = tl.dot(tl.trans(dy_d.load([m0, pid_n * BN])), x_d.load([m0, pid_k * BK]), acc, input_precision=PREC)
         ns = pid_n * BN + tl.arange(0, BN)
         ks = pid_k * BK + tl.arange(0, BK)
-        tl.store(DW + e.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :], acc.to(DW.dtype.element_ty),
-                 mask=(ns[:, None] < N) & (ks[None, :] < K))
+        tl.store(
+            DW + e.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :],
+            acc.to(DW.dtype.element_ty),
+            mask=(ns[:, None] < N) & (ks[None, :] < K),
+        )
 
 
 @triton.jit
@@ -203,8 +273,11 @@ def _tile_table(OFFS, TILE_E, TILE_ROW, BOUNDS, E, n, BM: tl.constexpr, BE: tl.c
     ends_s = tl.cumsum(per_s, 0) + n_w
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     w = t < n_w
-    e = tl.where(w, tl.sum((ends_w[None, :] <= t[:, None]).to(tl.int32), 1),
-                 tl.sum((ends_s[None, :] <= t[:, None]).to(tl.int32), 1))
+    e = tl.where(
+        w,
+        tl.sum((ends_w[None, :] <= t[:, None]).to(tl.int32), 1),
+        tl.sum((ends_s[None, :] <= t[:, None]).to(tl.int32), 1),
+    )
     hit = g[None, :] == e[:, None]
     first = tl.where(w[:, None], (ends_w - per_w)[None, :], (ends_s - per_s)[None, :])
     first = tl.sum(tl.where(hit, first, 0), 1)
@@ -246,8 +319,14 @@ def _tma_ok(a: torch.Tensor, b: torch.Tensor, R: int, C: int) -> bool:
     interpreter), b contiguous, 16-byte row strides and bases."""
     size = a.element_size()
     hopper = not a.is_cuda or torch.cuda.get_device_capability(a.device)[0] >= 9
-    return (hopper and b.is_contiguous() and (R * size) % 16 == 0 and (C * size) % 16 == 0
-            and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0)
+    return (
+        hopper
+        and b.is_contiguous()
+        and (R * size) % 16 == 0
+        and (C * size) % 16 == 0
+        and a.data_ptr() % 16 == 0
+        and b.data_ptr() % 16 == 0
+    )
 
 
 def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -271,12 +350,48 @@ def _rows_gemm(x: torch.Tensor, W: torch.Tensor, offs: torch.Tensor, transpose: 
             cfg.pop("GROUP", None)
             store = tma_args.pop("STORE")
             # TMA stores for the tiles inside their groups, then masked stores for the short groups'
-            for lo, hi, how in ([(0, 1, store), (1, 2, 0)] if store else [(0, 2, 0)]):
-                _gmm_rows_tma[(grid,)](x, W, y, tile_e, tile_row, offs, bounds, lo, hi, M, C, R, W.shape[0], cols,
-                                       grid, TRANS=transpose, PREC=dot_precision(x), STORE=how, **tma_args, **cfg)
+            for lo, hi, how in [(0, 1, store), (1, 2, 0)] if store else [(0, 2, 0)]:
+                _gmm_rows_tma[(grid,)](
+                    x,
+                    W,
+                    y,
+                    tile_e,
+                    tile_row,
+                    offs,
+                    bounds,
+                    lo,
+                    hi,
+                    M,
+                    C,
+                    R,
+                    W.shape[0],
+                    cols,
+                    grid,
+                    TRANS=transpose,
+                    PREC=dot_precision(x),
+                    STORE=how,
+                    **tma_args,
+                    **cfg,
+                )
         else:
-            _gmm_rows[(n * cols,)](x, W, y, tile_e, tile_row, offs, C, R, swe, swc, swr, n, cols,
-                                   EVEN_K=R % cfg["BK"] == 0, PREC=dot_precision(x), **cfg)
+            _gmm_rows[(n * cols,)](
+                x,
+                W,
+                y,
+                tile_e,
+                tile_row,
+                offs,
+                C,
+                R,
+                swe,
+                swc,
+                swr,
+                n,
+                cols,
+                EVEN_K=R % cfg["BK"] == 0,
+                PREC=dot_precision(x),
+                **cfg,
+            )
     return y
 
 
@@ -318,6 +433,13 @@ def gmm(x_MK: torch.Tensor, W_ENK: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return _GMM.apply(x_MK, W_ENK.to(x_MK.dtype), offs)
 
 
-def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
-                act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+def grouped_mlp(
+    x_MD: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    act: Callable,
+    lora: Lora | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
     return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)

@@ -13,6 +13,7 @@ summed by torch.
 
 softplus as torch's (x above 20 is x). Legend: N = B * T tokens, H heads, K channels a head.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,9 @@ def _gate_terms(x_ptr, a_ptr, bias_ptr, offs, ok, HK, K, lb, HAS_BIAS: tl.conste
 
 
 @triton.jit
-def _fwd(x_ptr, a_ptr, bias_ptr, g_ptr, total, HK, K, lb, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr,
-         BLOCK: tl.constexpr):
+def _fwd(
+    x_ptr, a_ptr, bias_ptr, g_ptr, total, HK, K, lb, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr, BLOCK: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     _, g, _ = _gate_terms(x_ptr, a_ptr, bias_ptr, offs, ok, HK, K, lb, HAS_BIAS, SAFE)
@@ -51,8 +53,22 @@ def _fwd(x_ptr, a_ptr, bias_ptr, g_ptr, total, HK, K, lb, HAS_BIAS: tl.constexpr
 
 
 @triton.jit
-def _bwd(x_ptr, a_ptr, bias_ptr, dg_ptr, dx_ptr, da_ptr, total, HK, K, lb, HAS_BIAS: tl.constexpr,
-         SAFE: tl.constexpr, NEED_DA: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd(
+    x_ptr,
+    a_ptr,
+    bias_ptr,
+    dg_ptr,
+    dx_ptr,
+    da_ptr,
+    total,
+    HK,
+    K,
+    lb,
+    HAS_BIAS: tl.constexpr,
+    SAFE: tl.constexpr,
+    NEED_DA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     x, g, slope = _gate_terms(x_ptr, a_ptr, bias_ptr, offs, ok, HK, K, lb, HAS_BIAS, SAFE)
@@ -74,9 +90,19 @@ class _Gate(torch.autograd.Function):
         g = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         total = x.numel()
         safe = lower_bound is not None
-        _fwd[(triton.cdiv(total, BLOCK),)](x, A_log, dt_bias if dt_bias is not None else A_log, g, total, H * K, K,
-                                           float(lower_bound or 0.0), HAS_BIAS=dt_bias is not None, SAFE=safe,
-                                           BLOCK=BLOCK)
+        _fwd[(triton.cdiv(total, BLOCK),)](
+            x,
+            A_log,
+            dt_bias if dt_bias is not None else A_log,
+            g,
+            total,
+            H * K,
+            K,
+            float(lower_bound or 0.0),
+            HAS_BIAS=dt_bias is not None,
+            SAFE=safe,
+            BLOCK=BLOCK,
+        )
         ctx.save_for_backward(x, A_log, dt_bias)
         ctx.lower_bound = lower_bound
         return g
@@ -91,17 +117,33 @@ class _Gate(torch.autograd.Function):
         da = torch.empty(x.shape, dtype=torch.float32, device=x.device) if need_da else dx
         if need_bias:  # its gradient is summed from dx: keep dx in fp32 until then
             dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        _bwd[(triton.cdiv(total, BLOCK),)](x, A_log, dt_bias if dt_bias is not None else A_log, dg.contiguous(), dx,
-                                           da, total, H * K, K, float(ctx.lower_bound or 0.0),
-                                           HAS_BIAS=dt_bias is not None, SAFE=ctx.lower_bound is not None,
-                                           NEED_DA=need_da, BLOCK=BLOCK)
+        _bwd[(triton.cdiv(total, BLOCK),)](
+            x,
+            A_log,
+            dt_bias if dt_bias is not None else A_log,
+            dg.contiguous(),
+            dx,
+            da,
+            total,
+            H * K,
+            K,
+            float(ctx.lower_bound or 0.0),
+            HAS_BIAS=dt_bias is not None,
+            SAFE=ctx.lower_bound is not None,
+            NEED_DA=need_da,
+            BLOCK=BLOCK,
+        )
         d_bias = dx.reshape(-1, H, K).sum(0).to(dt_bias.dtype) if need_bias else None
         d_a = da.reshape(-1, H, K).sum((0, 2)).to(A_log.dtype) if need_da else None
         return dx.to(x.dtype), d_a, d_bias, None
 
 
-def kda_gate(g_raw_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor | None = None,
-             lower_bound: float | None = None) -> torch.Tensor:
+def kda_gate(
+    g_raw_BTHK: torch.Tensor,
+    A_log_H: torch.Tensor,
+    dt_bias_HK: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
     """``reference.kda_gate`` on CUDA: g [B, T, H, K] in fp32."""
     H, K = g_raw_BTHK.shape[-2:]
     bias = dt_bias_HK.reshape(H, K).contiguous() if dt_bias_HK is not None else None

@@ -18,14 +18,19 @@ Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log decay, <= 0); bet
 initial_state [N, H, K, V]; returns o [B, T, H, V] in v's dtype (the math in fp32, or fp64 for
 fp64 inputs) and the final state [N, H, K, V] (fp32).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def kda_gate(g_raw_BTHK: torch.Tensor, A_log_H: torch.Tensor, dt_bias_HK: torch.Tensor | None = None,
-             lower_bound: float | None = None) -> torch.Tensor:
+def kda_gate(
+    g_raw_BTHK: torch.Tensor,
+    A_log_H: torch.Tensor,
+    dt_bias_HK: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
     """Log-space decay from the gate projection, in fp32.
     Default: g = -exp(A_log) * softplus(g_raw + dt_bias). With ``lower_bound`` (K3's "safe
     gate", -5): g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias)), so g >= lower_bound."""
@@ -58,20 +63,27 @@ def _start_state(initial_state, n, varlen, shape, dtype, device) -> torch.Tensor
     variable-length mode sequence n's state."""
     if initial_state is None:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return (initial_state[n:n + 1] if varlen else initial_state).to(dtype).clone()
+    return (initial_state[n : n + 1] if varlen else initial_state).to(dtype).clone()
 
 
 def _prepare(q, k, v, g, beta, scale):
     """fp32 math (fp64 when given fp64, for checking others against it); q takes the scale."""
     dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     K = q.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     return dtype, (q.to(dtype) * scale, k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype))
 
 
-def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  scale: float | None = None, initial_state: torch.Tensor | None = None,
-                  cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, H, K = q.shape
     V = v.shape[-1]
     out = v.dtype
@@ -89,9 +101,17 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return o.to(out), torch.cat(finals) if cu_seqlens is not None else finals[0]
 
 
-def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: float | None = None, initial_state: torch.Tensor | None = None,
-              cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, T, H, K = q.shape
     V = v.shape[-1]
     out = v.dtype
@@ -130,7 +150,10 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
             Vn = U[:, :, c] - W[:, :, c] @ S  # the writes' residuals against the state at the chunk start
             o_c.append((q_c[:, :, c] * G[:, :, c].exp()) @ S + A_qk[:, :, c] @ Vn)
             last = G[:, :, c, -1]  # [B, H, K]
-            S = last.exp()[..., None] * S + ((last[:, :, None, :] - G[:, :, c]).exp() * k_c[:, :, c]).transpose(-1, -2) @ Vn
+            S = (
+                last.exp()[..., None] * S
+                + ((last[:, :, None, :] - G[:, :, c]).exp() * k_c[:, :, c]).transpose(-1, -2) @ Vn
+            )
         if o_c:  # an empty sequence has no chunks: no output, its state passes through
             outs.append(torch.stack(o_c, 2).permute(0, 2, 3, 1, 4).reshape(B, -1, H, V)[:, :L])  # B NC C H V -> B L H V
         finals.append(S)

@@ -28,6 +28,7 @@ inputs, IEEE fp32 for fp32) and sum in fp32, except the inverse's (IEEE fp32), t
 blocks' (fp32 operands: tf32 forward, IEEE backward) and ``_dintra``'s (tf32 for bf16 inputs):
 there bf16 rounding does not cancel where dGamma's terms do.
 """
+
 from __future__ import annotations
 
 import torch
@@ -59,15 +60,19 @@ def _rows(CHUNKS, c):
 def _tile_v(P, rows, ok, h, H, D, d0, BD: tl.constexpr):
     """[rows, columns d0..d0+BD) of head h from a [R, H, D] tensor, fp32; zeros outside."""
     d = d0 + tl.arange(0, BD)
-    return tl.load(P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], mask=ok[:, None] & (d[None, :] < D),
-                   other=0.0).to(tl.float32)
+    return tl.load(
+        P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0
+    ).to(tl.float32)
 
 
 @triton.jit
 def _put_v(P, x, rows, ok, h, H, D, d0, BD: tl.constexpr):
     d = d0 + tl.arange(0, BD)
-    tl.store(P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], x.to(P.dtype.element_ty),
-             mask=ok[:, None] & (d[None, :] < D))
+    tl.store(
+        P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :],
+        x.to(P.dtype.element_ty),
+        mask=ok[:, None] & (d[None, :] < D),
+    )
 
 
 @triton.jit
@@ -99,8 +104,9 @@ def _gamma(G, rows, ok, last, h, H, K, d0, BK: tl.constexpr):
 def _square(P, rows, ok, h, H, cols0, NC: tl.constexpr):
     """[rows, NC] of head h from a [R, H, 64] matrix of chunk rows, columns cols0..cols0+NC, fp32."""
     c = cols0 + tl.arange(0, NC)
-    return tl.load(P + (rows[:, None].to(tl.int64) * H + h) * 64 + c[None, :], mask=ok[:, None],
-                   other=0.0).to(tl.float32)
+    return tl.load(P + (rows[:, None].to(tl.int64) * H + h) * 64 + c[None, :], mask=ok[:, None], other=0.0).to(
+        tl.float32
+    )
 
 
 @triton.jit
@@ -168,8 +174,22 @@ def _spanned(G, row0, last, g_r, h, H, K, d0, BK: tl.constexpr, SPAN: tl.constex
 
 
 @triton.jit
-def _intra(Q, Kt, BETA, G, AQK, AKK, CHUNKS, scale, H, K, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-           SPAN: tl.constexpr):
+def _intra(
+    Q,
+    Kt,
+    BETA,
+    G,
+    AQK,
+    AKK,
+    CHUNKS,
+    scale,
+    H,
+    K,
+    BK: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+    SPAN: tl.constexpr,
+):
     """Row block X of A_qk (j <= i) and A_kk (beta_i, j < i) of one chunk and head: the earlier
     blocks as factored products; the diagonal block as one too where its decay allows
     (``_spanned``), else column by column (written straight out, zeros above the diagonal)."""
@@ -192,10 +212,19 @@ def _intra(Q, Kt, BETA, G, AQK, AKK, CHUNKS, scale, H, K, BK: tl.constexpr, DT: 
     if fits:
         kb = tl.trans(kX * tl.exp(g_r[None, :] - gX))
         # fp32 operands (tf32 for bf16 inputs, as fla's): bf16 costs the factors' products precision
-        _put_square(AQK, tl.where(i16[None, :] <= i16[:, None], _dot(aq, kb, tl.float32, PREC), 0.0), rX, okX, h, H,
-                    X * 16, 16)
-        _put_square(AKK, tl.where(i16[None, :] < i16[:, None], _dot(ak, kb, tl.float32, PREC), 0.0) * bX[:, None],
-                    rX, okX, h, H, X * 16, 16)
+        _put_square(
+            AQK, tl.where(i16[None, :] <= i16[:, None], _dot(aq, kb, tl.float32, PREC), 0.0), rX, okX, h, H, X * 16, 16
+        )
+        _put_square(
+            AKK,
+            tl.where(i16[None, :] < i16[:, None], _dot(ak, kb, tl.float32, PREC), 0.0) * bX[:, None],
+            rX,
+            okX,
+            h,
+            H,
+            X * 16,
+            16,
+        )
     else:
         base = (rX.to(tl.int64) * H + h) * 64 + X * 16
         for j in range(16):
@@ -245,8 +274,11 @@ def _solve(AKK, MI, CHUNKS, H):
         D3 = _unit_inverse_row(D3, A33, r, i16)
     A10 = _square(AKK, r1, k1, h, H, 0, 16)
     A20, A21 = _square(AKK, r2, k2, h, H, 0, 16), _square(AKK, r2, k2, h, H, 16, 16)
-    A30, A31, A32 = (_square(AKK, r3, k3, h, H, 0, 16), _square(AKK, r3, k3, h, H, 16, 16),
-                     _square(AKK, r3, k3, h, H, 32, 16))
+    A30, A31, A32 = (
+        _square(AKK, r3, k3, h, H, 0, 16),
+        _square(AKK, r3, k3, h, H, 16, 16),
+        _square(AKK, r3, k3, h, H, 32, 16),
+    )
     M10 = -_mm(D1, _mm(A10, D0))
     M21 = -_mm(D2, _mm(A21, D1))
     M32 = -_mm(D3, _mm(A32, D2))
@@ -266,8 +298,27 @@ def _solve(AKK, MI, CHUNKS, H):
 
 
 @triton.jit
-def _wu(Q, Kt, V, BETA, G, MI, W, U, KD, QG, CHUNKS, scale, H, K, VD, BK: tl.constexpr, BV: tl.constexpr,
-        DT: tl.constexpr, PREC: tl.constexpr):
+def _wu(
+    Q,
+    Kt,
+    V,
+    BETA,
+    G,
+    MI,
+    W,
+    U,
+    KD,
+    QG,
+    CHUNKS,
+    scale,
+    H,
+    K,
+    VD,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """W = Mi (beta e^Gamma k), U = Mi (beta v) of one chunk and head; and the decayed keys and
     queries the chunk-by-chunk kernels multiply with, KD = k e^(Gamma_C - Gamma), QG = q e^Gamma
     (scaled), so that no exponential of a tile is left on their sequential path."""
@@ -301,8 +352,16 @@ def _walk(P0, HAS: tl.constexpr, SEQ, H, K, VD, BK: tl.constexpr, BV: tl.constex
     n, h = nh // H, nh % H
     v0 = vb * BV
     p0, m0 = _state_ptrs(P0, n, h, H, K, VD, 0, v0, BK, BV)
-    return (n, h, v0, tl.load(p0, mask=m0 & HAS, other=0.0).to(tl.float32), tl.load(SEQ + 2 * n),
-            tl.load(SEQ + 2 * n + 2), tl.load(SEQ + 2 * n + 1), tl.load(SEQ + 2 * n + 3))
+    return (
+        n,
+        h,
+        v0,
+        tl.load(p0, mask=m0 & HAS, other=0.0).to(tl.float32),
+        tl.load(SEQ + 2 * n),
+        tl.load(SEQ + 2 * n + 2),
+        tl.load(SEQ + 2 * n + 1),
+        tl.load(SEQ + 2 * n + 3),
+    )
 
 
 @triton.jit
@@ -316,8 +375,26 @@ def _chunk_of(c, c0, s0, s1):
 
 
 @triton.jit
-def _states(KD, W, U, G, H0, HS, VN, HT, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr, BV: tl.constexpr,
-            HAS_H0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+def _states(
+    KD,
+    W,
+    U,
+    G,
+    H0,
+    HS,
+    VN,
+    HT,
+    CHUNKS,
+    SEQ,
+    H,
+    K,
+    VD,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Per sequence, head and block of V, the chunks in order: HS[c] = the state at chunk c's
     start, VN = U - W S; the final state into HT."""
     n, h, v0, S, c0, c1, s0, s1 = _walk(H0, HAS_H0, SEQ, H, K, VD, BK, BV)
@@ -327,15 +404,17 @@ def _states(KD, W, U, G, H0, HS, VN, HT, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr
         bos, rows, ok, last = _chunk_of(c, c0, s0, s1)
         vn = _tile_v(U, rows, ok, h, H, VD, v0, BV) - _dot(_tile(W, rows, ok, h, H, K, BK), S, DT, PREC)
         _put_v(VN, vn, rows, ok, h, H, VD, v0, BV)
-        S = S * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(tl.trans(_tile(KD, rows, ok, h, H, K, BK)), vn,
-                                                                       DT, PREC)
+        S = S * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(
+            tl.trans(_tile(KD, rows, ok, h, H, K, BK)), vn, DT, PREC
+        )
     p, m = _state_ptrs(HT, n, h, H, K, VD, 0, v0, BK, BV)
     tl.store(p, S, mask=m)
 
 
 @triton.jit
-def _output(QG, AQK, HS, VN, O, CHUNKS, H, K, VD, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
-            PREC: tl.constexpr):
+def _output(
+    QG, AQK, HS, VN, O, CHUNKS, H, K, VD, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr
+):
     """O = (q e^Gamma) S + A_qk V' for one chunk, head and block of V."""
     c, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     v0 = vb * BV
@@ -347,8 +426,28 @@ def _output(QG, AQK, HS, VN, O, CHUNKS, H, K, VD, BK: tl.constexpr, BV: tl.const
 
 
 @triton.jit
-def _dstates(QG, KD, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, H, K, VD, BK: tl.constexpr,
-             BV: tl.constexpr, HAS_DHT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+def _dstates(
+    QG,
+    KD,
+    G,
+    W,
+    AQK,
+    DO,
+    DHT,
+    DH,
+    DVN,
+    DH0,
+    CHUNKS,
+    SEQ,
+    H,
+    K,
+    VD,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_DHT: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """The chunks in reverse: DH[c] = dS at chunk c's end; dV' = A_qk^T dO + (k e^(Gamma_C - Gamma)) dS;
     dS at the chunk's start = (q e^Gamma)^T dO + e^Gamma_C dS - W^T dV'. The first into DH0."""
     n, h, v0, dS, c0, c1, s0, s1 = _walk(DHT, HAS_DHT, SEQ, H, K, VD, BK, BV)
@@ -361,16 +460,44 @@ def _dstates(QG, KD, G, W, AQK, DO, DHT, DH, DVN, DH0, CHUNKS, SEQ, H, K, VD, BK
         dvn = _dot(tl.trans(_lower(AQK, rows, ok, h, H)), do, DT, PREC)
         dvn += _dot(_tile(KD, rows, ok, h, H, K, BK), dS, DT, PREC)
         _put_v(DVN, dvn, rows, ok, h, H, VD, v0, BV)
-        dS = dS * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(tl.trans(_tile(QG, rows, ok, h, H, K, BK)), do,
-                                                                         DT, PREC)
+        dS = dS * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(
+            tl.trans(_tile(QG, rows, ok, h, H, K, BK)), do, DT, PREC
+        )
         dS -= _dot(tl.trans(_tile(W, rows, ok, h, H, K, BK)), dvn, DT, PREC)
     p, m = _state_ptrs(DH0, n, h, H, K, VD, 0, v0, BK, BV)
     tl.store(p, dS, mask=m)
 
 
 @triton.jit
-def _dlocal(Q, Kt, V, BETA, G, MI, VN, DVN, DO, HS, DH, DQ, DK, DV, DB, DG, DAQK, DAKK, CHUNKS, scale,
-            H, K, VD, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+def _dlocal(
+    Q,
+    Kt,
+    V,
+    BETA,
+    G,
+    MI,
+    VN,
+    DVN,
+    DO,
+    HS,
+    DH,
+    DQ,
+    DK,
+    DV,
+    DB,
+    DG,
+    DAQK,
+    DAKK,
+    CHUNKS,
+    scale,
+    H,
+    K,
+    VD,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Per chunk and head, the gradients through everything but A_qk and A_kk (whose gradients
     it writes): q (through q e^Gamma S), k (through the state update and W), v and beta (through
     W and U), Gamma; dq is of the scaled q. First the V blocks alone (dA_qk, dv, beta's and Mi's
@@ -385,14 +512,16 @@ def _dlocal(Q, Kt, V, BETA, G, MI, VN, DVN, DO, HS, DH, DQ, DK, DV, DB, DG, DAQK
     for v0 in range(0, VD, BV):
         dvn = _tile_v(DVN, rows, ok, h, H, VD, v0, BV)
         v = _tile_v(V, rows, ok, h, H, VD, v0, BV)
-        dAqk += _dot(_tile_v(DO, rows, ok, h, H, VD, v0, BV), tl.trans(_tile_v(VN, rows, ok, h, H, VD, v0, BV)),
-                     DT, PREC)  # O = (q e^Gamma) S + A_qk V'
+        dAqk += _dot(
+            _tile_v(DO, rows, ok, h, H, VD, v0, BV), tl.trans(_tile_v(VN, rows, ok, h, H, VD, v0, BV)), DT, PREC
+        )  # O = (q e^Gamma) S + A_qk V'
         dvb = _dot(tl.trans(Mi), dvn, DT, PREC)  # V' = U - W S, U = Mi (beta v)
         _put_v(DV, dvb * b[:, None], rows, ok, h, H, VD, v0, BV)
         db += tl.sum(v * dvb, 1)
         dMi += _dot(dvn, tl.trans(v * b[:, None]), DT, PREC)
-    _put_square(DAQK, tl.where(tl.arange(0, 64)[None, :] <= tl.arange(0, 64)[:, None], dAqk, 0.0), rows, ok, h, H,
-                0, 64)
+    _put_square(
+        DAQK, tl.where(tl.arange(0, 64)[None, :] <= tl.arange(0, 64)[:, None], dAqk, 0.0), rows, ok, h, H, 0, 64
+    )
     for d0 in range(0, K, BK):
         dqg = tl.zeros([64, BK], tl.float32)
         dkd = tl.zeros([64, BK], tl.float32)
@@ -444,8 +573,29 @@ def _state_tiles(HS, DH, c, h, H, K, VD, d0, v0, BK: tl.constexpr, BV: tl.conste
 
 
 @triton.jit
-def _dintra(Q, Kt, BETA, G, DAQK, DAKK, DQ, DK, DBP, DG, DQO, DKO, CHUNKS, scale, R, H, K, BK: tl.constexpr,
-            DT: tl.constexpr, PREC: tl.constexpr, SPAN: tl.constexpr):
+def _dintra(
+    Q,
+    Kt,
+    BETA,
+    G,
+    DAQK,
+    DAKK,
+    DQ,
+    DK,
+    DBP,
+    DG,
+    DQO,
+    DKO,
+    CHUNKS,
+    scale,
+    R,
+    H,
+    K,
+    BK: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+    SPAN: tl.constexpr,
+):
     """The gradients through A_qk = A(q, k) and A_kk = beta A(k, k), added to ``_dlocal``'s, for
     one row block X of a chunk and columns d0..d0+BK: for A(a, b) with dA,
     da_i = sum_j dA_ij b_j e^(Gamma_i - Gamma_j), db_j = sum_i dA_ij a_i e^(Gamma_i - Gamma_j),
@@ -521,8 +671,9 @@ def _chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     for a, b in zip(cu, cu[1:], strict=False):
         spans += [(s, min(s + C, b)) for s in range(a, b, C)]
         seq.append((len(spans), b))
-    return to_device(torch.tensor(spans or [(0, 0)], dtype=torch.int32).flatten(), device), \
-        to_device(torch.tensor(seq, dtype=torch.int32).flatten(), device)
+    return to_device(torch.tensor(spans or [(0, 0)], dtype=torch.int32).flatten(), device), to_device(
+        torch.tensor(seq, dtype=torch.int32).flatten(), device
+    )
 
 
 class _Shapes:
@@ -557,8 +708,9 @@ def _prepare(q, k, g, beta, scale, chunks, s: _Shapes):
     G = _gamma_of(g, chunks, s)
     Aqk = q.new_empty(R, H, C, dtype=s.low)
     Akk = q.new_empty(R, H, C, dtype=torch.float32)
-    _intra[(s.NC * 4, H)](q, k, beta, G, Aqk, Akk, chunks, scale, H, K, BK=s.BK, DT=s.DT, PREC=s.PREC, SPAN=s.SPAN,
-                          num_warps=2)
+    _intra[(s.NC * 4, H)](
+        q, k, beta, G, Aqk, Akk, chunks, scale, H, K, BK=s.BK, DT=s.DT, PREC=s.PREC, SPAN=s.SPAN, num_warps=2
+    )
     Mi = q.new_empty(R, H, C, dtype=s.low)
     _solve[(s.NC, H)](Akk, Mi, chunks, H, num_warps=8)
     return G, Aqk, Mi
@@ -569,14 +721,33 @@ def _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s: _Shapes):
     R, H, K, V = s.R, s.H, s.K, s.V
     W, KD, QG = (k.new_empty(R, H, K, dtype=s.low) for _ in range(3))
     U = k.new_empty(R, H, V, dtype=s.low)
-    _wu[(s.NC, H)](q, k, v, beta, G, Mi, W, U, KD, QG, chunks, scale, H, K, V, BK=s.BK, BV=s.BV, DT=s.DT, PREC=s.PREC,
-                   num_warps=8)
+    _wu[(s.NC, H)](
+        q, k, v, beta, G, Mi, W, U, KD, QG, chunks, scale, H, K, V, BK=s.BK, BV=s.BV, DT=s.DT, PREC=s.PREC, num_warps=8
+    )
     HS = k.new_empty(s.NC, H, K, V, dtype=s.low)
     VN = k.new_empty(R, H, V, dtype=s.low)
     HT = k.new_empty(s.N, H, K, V, dtype=torch.float32)
-    _states[(triton.cdiv(V, s.BVS), s.N * H)](KD, W, U, G, h0 if h0 is not None else HT, HS, VN, HT, chunks, seq,
-                                              H, K, V, BK=s.BK, BV=s.BVS, HAS_H0=h0 is not None, DT=s.DT,
-                                              PREC=s.PREC, num_stages=2)
+    _states[(triton.cdiv(V, s.BVS), s.N * H)](
+        KD,
+        W,
+        U,
+        G,
+        h0 if h0 is not None else HT,
+        HS,
+        VN,
+        HT,
+        chunks,
+        seq,
+        H,
+        K,
+        V,
+        BK=s.BK,
+        BV=s.BVS,
+        HAS_H0=h0 is not None,
+        DT=s.DT,
+        PREC=s.PREC,
+        num_stages=2,
+    )
     return W, KD, QG, HS, VN, HT
 
 
@@ -595,9 +766,11 @@ class _KDA(torch.autograd.Function):
             G, Aqk, Mi = _prepare(q, k, g, beta, scale, chunks, s)
             _, _, QG, HS, VN, HT = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
             o = torch.empty(B, T, H, s.V, device=q.device, dtype=v.dtype)
-            _output[(s.NC, H, triton.cdiv(s.V, s.BVS))](QG, Aqk, HS, VN, o, chunks, H, K, s.V, BK=s.BK, BV=s.BVS,
-                                                        DT=s.DT, PREC=s.PREC)
+            _output[(s.NC, H, triton.cdiv(s.V, s.BVS))](
+                QG, Aqk, HS, VN, o, chunks, H, K, s.V, BK=s.BK, BV=s.BVS, DT=s.DT, PREC=s.PREC
+            )
             return o, HT, Aqk, Mi
+
         o, HT, Aqk, Mi = kept("kda", run)  # all the backward saves but the inputs
         ctx.save_for_backward(*flat, h0 if h0 is not None else HT.new_empty(0), chunks, seq, Aqk, Mi)
         ctx.scale, ctx.s, ctx.has_h0 = scale, s, h0 is not None
@@ -616,33 +789,118 @@ class _KDA(torch.autograd.Function):
         DH = torch.empty_like(HS, dtype=f32)
         DVN = q.new_empty(R, H, V, dtype=s.low)
         DH0 = q.new_empty(N, H, K, V, dtype=f32)
-        _dstates[(triton.cdiv(V, s.BVS), N * H)](QG, KD, G, W, Aqk, do, dht.float().contiguous() if dht is not None
-                                                 else DH0, DH, DVN, DH0, chunks, seq, H, K, V, BK=s.BK,
-                                                 BV=s.BVS, HAS_DHT=dht is not None, DT=s.DT, PREC=s.PREC,
-                                                 num_stages=2)
+        _dstates[(triton.cdiv(V, s.BVS), N * H)](
+            QG,
+            KD,
+            G,
+            W,
+            Aqk,
+            do,
+            dht.float().contiguous() if dht is not None else DH0,
+            DH,
+            DVN,
+            DH0,
+            chunks,
+            seq,
+            H,
+            K,
+            V,
+            BK=s.BK,
+            BV=s.BVS,
+            HAS_DHT=dht is not None,
+            DT=s.DT,
+            PREC=s.PREC,
+            num_stages=2,
+        )
         dq, dk, dG = (q.new_empty(R, H, K, dtype=f32) for _ in range(3))
         dv = torch.empty_like(v)
         db = q.new_empty(R, H, dtype=f32)
         dAqk, dAkk = q.new_empty(R, H, C, dtype=f32), q.new_empty(R, H, C, dtype=f32)
-        _dlocal[(NC, H)](q, k, v, beta, G, Mi, VN, DVN, do, HS, DH, dq, dk, dv, db, dG, dAqk, dAkk, chunks, scale,
-                         H, K, V, BK=s.BKS, BV=min(s.BV, 32), DT=s.DT, PREC=s.PREC, num_warps=8)
+        _dlocal[(NC, H)](
+            q,
+            k,
+            v,
+            beta,
+            G,
+            Mi,
+            VN,
+            DVN,
+            do,
+            HS,
+            DH,
+            dq,
+            dk,
+            dv,
+            db,
+            dG,
+            dAqk,
+            dAkk,
+            chunks,
+            scale,
+            H,
+            K,
+            V,
+            BK=s.BKS,
+            BV=min(s.BV, 32),
+            DT=s.DT,
+            PREC=s.PREC,
+            num_warps=8,
+        )
         NKB = triton.cdiv(K, s.BKS)
         dbp = q.new_empty(NKB, R, H, dtype=f32)
         dqo, dko = torch.empty_like(q), torch.empty_like(k)
         # fp32 operands (tf32 for bf16 inputs): dGamma's terms cancel in sums over the chunk (A depends on
         # Gamma_i - Gamma_j only), bf16 products leave a residue that dg's reverse cumsum carries along
-        _dintra[(NC * 4, H, NKB)](q, k, beta, G, dAqk, dAkk, dq, dk, dbp, dG, dqo, dko, chunks, scale, R, H, K,
-                                  BK=s.BKS, DT=tl.float32, PREC=s.PREC, SPAN=s.SPAN, num_warps=2)
+        _dintra[(NC * 4, H, NKB)](
+            q,
+            k,
+            beta,
+            G,
+            dAqk,
+            dAkk,
+            dq,
+            dk,
+            dbp,
+            dG,
+            dqo,
+            dko,
+            chunks,
+            scale,
+            R,
+            H,
+            K,
+            BK=s.BKS,
+            DT=tl.float32,
+            PREC=s.PREC,
+            SPAN=s.SPAN,
+            num_warps=2,
+        )
         db += dbp.sum(0)
         dg = torch.empty_like(g)
         _cumsum[(NC, H)](dG, dg, chunks, H, K, BK=s.BK, REVERSE=True)
-        return (dqo, dko, dv, dg, db.view(beta.shape).to(beta.dtype), None,
-                DH0.to(ctx.h0_dtype) if ctx.has_h0 else None, None)
+        return (
+            dqo,
+            dko,
+            dv,
+            dg,
+            db.view(beta.shape).to(beta.dtype),
+            None,
+            DH0.to(ctx.h0_dtype) if ctx.has_h0 else None,
+            None,
+        )
 
 
-def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              scale: float | None = None, initial_state: torch.Tensor | None = None,
-              cu_seqlens: torch.Tensor | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.kda_chunk`` in Triton (chunks of 64 whatever ``chunk_size`` says: the chunk
     size changes the order of the sums, not the result). o in v's dtype, the final state in fp32."""
     B, T, H, K = q.shape
@@ -650,5 +908,5 @@ def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
         cu = list(range(0, B * T + 1, T)) if T else [0] * (B + 1)
     else:
         cu = [a for a, _ in segments(T, cu_seqlens, B)] + [T]  # checked as the reference checks them
-    scale = K ** -0.5 if scale is None else scale
+    scale = K**-0.5 if scale is None else scale
     return _KDA.apply(q, k, v, g, beta, scale, initial_state, cu)

@@ -1,5 +1,6 @@
 """Linear + cross-entropy without the full logits: ``reference.py`` (the definition, CPU) and
 ``triton.py`` (CUDA), one signature; ``linear_cross_entropy`` picks by device."""
+
 from __future__ import annotations
 
 import torch
@@ -8,8 +9,14 @@ from kiln_kernels.dispatch import fast
 from kiln_kernels.loss import reference
 
 
-def linear_cross_entropy(h_ND: torch.Tensor, W_VD: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100,
-                         token_chunk: int = 4096, vocab_chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_cross_entropy(
+    h_ND: torch.Tensor,
+    W_VD: torch.Tensor,
+    labels_N: torch.Tensor,
+    ignore_index: int = -100,
+    token_chunk: int = 4096,
+    vocab_chunk: int = 16384,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy over the targets, how many of them the argmax gets right)."""
     if fast(h_ND, W_VD):
         from kiln_kernels.loss import triton as impl  # imports triton: CUDA machines only

@@ -11,6 +11,7 @@ The gradients are made in the forward (as Liger does) and scaled by the upstream
 backward, so the loss costs one pass: 3 GEMMs of 2 N V D FLOPs. Memory: C x V logits and the
 gradients, not N x V (at 32k tokens and a 160k vocabulary the fp32 logits alone are 21 GB).
 """
+
 from __future__ import annotations
 
 import torch
@@ -69,12 +70,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dW = torch.empty_like(W_VD) if ctx.needs_input_grad[1] else None
         C = _chunk(N, V, h_ND.element_size())
         for t in range(0, N, C):
-            h = h_ND[t:t + C]
+            h = h_ND[t : t + C]
             logits = h @ W_VD.t()
-            _ce_rows[(h.shape[0],)](logits, logits.stride(0), labels_N[t:t + C], loss_N[t:t + C], hit_N[t:t + C], V,
-                                    ignore_index, 1.0 / n, BLOCK=BLOCK, num_warps=WARPS)
+            _ce_rows[(h.shape[0],)](
+                logits,
+                logits.stride(0),
+                labels_N[t : t + C],
+                loss_N[t : t + C],
+                hit_N[t : t + C],
+                V,
+                ignore_index,
+                1.0 / n,
+                BLOCK=BLOCK,
+                num_warps=WARPS,
+            )
             if dh is not None:
-                torch.mm(logits, W_VD, out=dh[t:t + C])
+                torch.mm(logits, W_VD, out=dh[t : t + C])
             if dW is not None:  # accumulated in W's dtype, in place (as Liger does): no V x D temporary
                 torch.addmm(dW, logits.t(), h, beta=1.0 if t else 0.0, out=dW)
         ctx.save_for_backward(dh, dW)
@@ -95,8 +106,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh, dW, None, None, None, None
 
 
-def linear_cross_entropy(h_ND: torch.Tensor, W_VD: torch.Tensor, labels_N: torch.Tensor, ignore_index: int = -100,
-                         token_chunk: int = 4096, vocab_chunk: int = 16384) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_cross_entropy(
+    h_ND: torch.Tensor,
+    W_VD: torch.Tensor,
+    labels_N: torch.Tensor,
+    ignore_index: int = -100,
+    token_chunk: int = 4096,
+    vocab_chunk: int = 16384,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of the logits h @ W^T over the tokens whose label is not ignore_index,
     and the count of those whose argmax is the label (``reference.linear_cross_entropy``).
     The chunk arguments are the reference's; here the token chunk follows from the vocabulary

@@ -3,6 +3,7 @@
 has the permute / unpermute kernels the engine uses on CUDA. A Triton grouped GEMM, measured and
 not used, is in ``kiln_kernels/experimental/grouped_gemm.py`` (measured: see bench/RESULTS.md,
 "MoE grouped GEMM at torch's speed")."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -14,8 +15,15 @@ from kiln_kernels.moe import reference
 from kiln_kernels.moe.reference import Lora
 
 
-def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
-                act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+def grouped_mlp(
+    x_MD: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    act: Callable,
+    lora: Lora | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
     if fast(x_MD):
         from kiln_kernels.moe import grouped
 

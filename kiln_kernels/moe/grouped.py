@@ -9,6 +9,7 @@ same grouped GEMMs, sums and activation as autograd's composition (``mlp``), but
 gate/up product and the LoRA's rank-r products go through ``kiln_kernels.dispatch.kept`` as "experts":
 Swap Core can keep them (``cache_ops: experts``) and the recompute then runs no grouped GEMM. It
 saves the gate/up product, not the activation: the backward recomputes that (elementwise)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,8 +23,11 @@ from kiln_kernels.moe.reference import Lora
 def usable(x_MD: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor, lora: Lora | None) -> bool:
     if not (x_MD.is_cuda and hasattr(torch, "_grouped_mm")):
         return False
-    if not (x_MD.dtype == torch.bfloat16 or torch.is_autocast_enabled("cuda")
-            and torch.get_autocast_dtype("cuda") == torch.bfloat16):
+    if not (
+        x_MD.dtype == torch.bfloat16
+        or torch.is_autocast_enabled("cuda")
+        and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    ):
         return False
     dims = [*gate_up_E2ID.shape[1:], *down_EDI.shape[1:]] + [A.shape[1] for A, _ in (lora or {}).values()]
     return all(d % 8 == 0 for d in dims)
@@ -34,8 +38,16 @@ def gmm(x_MK: torch.Tensor, W_ENK: torch.Tensor, offs: torch.Tensor) -> torch.Te
     return torch._grouped_mm(x_MK, W_ENK.to(torch.bfloat16).transpose(-2, -1), offs=offs)
 
 
-def mlp(gmm: Callable, x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor,
-        down_EDI: torch.Tensor, act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+def mlp(
+    gmm: Callable,
+    x_MD: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    act: Callable,
+    lora: Lora | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
     """The experts through a grouped GEMM ``gmm`` (torch's here; kiln_kernels/experimental/grouped_gemm.py
     passes its Triton one), in bf16."""
     lora = lora or {}
@@ -54,8 +66,15 @@ def mlp(gmm: Callable, x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID:
         return proj("down_proj", down_EDI, act(gate, up))  # bf16, as F.linear under autocast gives
 
 
-def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
-                act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+def grouped_mlp(
+    x_MD: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    act: Callable,
+    lora: Lora | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
     if gate_up_E2ID.requires_grad or down_EDI.requires_grad:  # the experts trained whole: autograd's path
         return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
     lora = lora or {}
@@ -63,8 +82,18 @@ def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.
     (A1, B1), (A2, B2) = (lora.get(name, (None, None)) for name in ("gate_up_proj", "down_proj"))
     with torch.autocast("cuda", enabled=False):
         A1, B1, A2, B2 = (None if t is None else t.to(torch.bfloat16) for t in (A1, B1, A2, B2))
-        return _Experts.apply(x_MD.to(torch.bfloat16), offs, gate_up_E2ID.to(torch.bfloat16),
-                              down_EDI.to(torch.bfloat16), A1, B1, A2, B2, scaling, act)
+        return _Experts.apply(
+            x_MD.to(torch.bfloat16),
+            offs,
+            gate_up_E2ID.to(torch.bfloat16),
+            down_EDI.to(torch.bfloat16),
+            A1,
+            B1,
+            A2,
+            B2,
+            scaling,
+            act,
+        )
 
 
 class _Experts(torch.autograd.Function):
@@ -84,6 +113,7 @@ class _Experts(torch.autograd.Function):
             gu, t1 = project(x, W1, A1, B1)
             y, t2 = project(act(*gu.chunk(2, -1)), W2, A2, B2)
             return y, gu, t1, t2
+
         y, gu, t1, t2 = kept("experts", run)
         ctx.save_for_backward(x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2)
         ctx.s, ctx.act = s, act
@@ -101,8 +131,17 @@ class _Experts(torch.autograd.Function):
         return dx, None, None, None, dA1, dB1, dA2, dB2, None, None
 
 
-def _project_back(dy: torch.Tensor, h: torch.Tensor, offs: torch.Tensor, W: torch.Tensor, A: torch.Tensor | None,
-                  B: torch.Tensor | None, t: torch.Tensor | None, s: float, need_dh: bool):
+def _project_back(
+    dy: torch.Tensor,
+    h: torch.Tensor,
+    offs: torch.Tensor,
+    W: torch.Tensor,
+    A: torch.Tensor | None,
+    B: torch.Tensor | None,
+    t: torch.Tensor | None,
+    s: float,
+    need_dh: bool,
+):
     """(dh, dA, dB) of y = gmm(h, W) + gmm(gmm(h, A) * s, B), t = gmm(h, A) * s: the grouped GEMMs
     autograd's backward of ``gmm`` runs (rows: dy W_e; weights: dy_e^T h_e), summed as it sums."""
     dA = dB = dt = dh = None

@@ -8,6 +8,7 @@ W + B A. ``gate_up_E2ID`` is [E, 2I, D] (gate rows, then up rows), ``down_EDI`` 
 
 Legend: M rows, D width, I expert width, E experts, r LoRA rank.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,8 +19,15 @@ import torch.nn.functional as F
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def grouped_mlp(x_MD: torch.Tensor, counts_E: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor,
-                act: Callable, lora: Lora | None = None, scaling: float = 1.0) -> torch.Tensor:
+def grouped_mlp(
+    x_MD: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    act: Callable,
+    lora: Lora | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
     """[M, D] -> [M, D]: every expert on its own rows."""
     lora = lora or {}
 

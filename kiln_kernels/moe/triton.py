@@ -6,6 +6,7 @@ temporary of weighted rows. ``inv_NK`` is each pair's row in expert order.
 Same signatures as ``reference.py``. (The Triton grouped GEMM that once lived here is in
 ``kiln_kernels/experimental/grouped_gemm.py``: measured, not used by the engine.)
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,14 +53,16 @@ def _row_block(D: int) -> int:
     return min(1024, triton.next_power_of_2(D))
 
 
-def _combine_rows(y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor | None, N: int,
-                  dtype: torch.dtype | None = None) -> torch.Tensor:
+def _combine_rows(
+    y: torch.Tensor, inv: torch.Tensor, w: torch.Tensor | None, N: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     D = y.shape[1]
     out = torch.empty(N, D, dtype=dtype or y.dtype, device=y.device)
     BD = _row_block(D)
     if N:
-        _combine[(N, triton.cdiv(D, BD))](y, inv, w if w is not None else inv, out, D, K=inv.shape[1], BD=BD,
-                                          WEIGHTED=w is not None)
+        _combine[(N, triton.cdiv(D, BD))](
+            y, inv, w if w is not None else inv, out, D, K=inv.shape[1], BD=BD, WEIGHTED=w is not None
+        )
     return out
 
 

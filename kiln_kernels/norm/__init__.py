@@ -1,6 +1,7 @@
 """RMSNorm and gated RMSNorm: ``reference.py`` (the definition, CPU) and ``triton.py`` (CUDA: one
 pass over each row forward, the row's 1/rms kept for the backward), one signature; dispatched by
 device."""
+
 from __future__ import annotations
 
 import torch

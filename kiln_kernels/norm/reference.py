@@ -10,6 +10,7 @@ are.
 
 Legend: N rows (all dims but the last), D the last dim.
 """
+
 from __future__ import annotations
 
 import torch

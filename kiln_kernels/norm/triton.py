@@ -12,6 +12,7 @@ autograd's do.
 
 Legend: N rows (all dims but the last), D the last dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,22 @@ def _fwd(x_ptr, g_ptr, w_ptr, y_ptr, r_ptr, N, D, eps, GATED: tl.constexpr, BR: 
 
 
 @triton.jit
-def _bwd(x_ptr, g_ptr, w_ptr, r_ptr, dy_ptr, dx_ptr, dg_ptr, dw_ptr, N, D, GATED: tl.constexpr,
-         NEED_DW: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+def _bwd(
+    x_ptr,
+    g_ptr,
+    w_ptr,
+    r_ptr,
+    dy_ptr,
+    dx_ptr,
+    dg_ptr,
+    dw_ptr,
+    N,
+    D,
+    GATED: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    BR: tl.constexpr,
+    BD: tl.constexpr,
+):
     p, P = tl.program_id(0), tl.num_programs(0)
     cols = tl.arange(0, BD)
     w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
@@ -104,8 +119,21 @@ class _Norm(torch.autograd.Function):
         dx = torch.empty_like(x2)
         dg = torch.empty_like(g2) if gated else dx
         parts = torch.empty(P, D, device=x2.device, dtype=torch.float32) if need_dw else dx
-        _bwd[(P,)](x2, g2 if gated else x2, w, r, dy.reshape(N, D).contiguous(), dx, dg, parts, N, D, GATED=gated,
-                   NEED_DW=need_dw, **tile)
+        _bwd[(P,)](
+            x2,
+            g2 if gated else x2,
+            w,
+            r,
+            dy.reshape(N, D).contiguous(),
+            dx,
+            dg,
+            parts,
+            N,
+            D,
+            GATED=gated,
+            NEED_DW=need_dw,
+            **tile,
+        )
         dw = parts.sum(0).to(w.dtype) if need_dw else None
         return dx.view(ctx.shape), dg.view(ctx.shape) if gated else None, dw, None
 

@@ -5,6 +5,7 @@ flash for the rest), bf16 and fp32, MLA's head
 dims (q/k 192, v 128) and plain ones, packed rows with empty and one-token documents, documents
 whose queries are their last keys (context parallel), long documents; the dispatch; and
 Kimi Linear's packed rows against each document alone on the GPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,10 @@ def inputs(T, S, H, D, E, dtype, seed):
     return [t.to(dtype).requires_grad_() for t in (q, k, v)] + [do.to(dtype)]
 
 
-@pytest.mark.parametrize("backend,dtype", [("flash", torch.bfloat16), ("efficient", torch.bfloat16),
-                                           ("efficient", torch.float32), ("sdpa", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "backend,dtype",
+    [("flash", torch.bfloat16), ("efficient", torch.bfloat16), ("efficient", torch.float32), ("sdpa", torch.bfloat16)],
+)
 @pytest.mark.parametrize("cu_q,cu_k", CASES)
 @pytest.mark.parametrize("H,D,E", [(4, 192, 128), (3, 64, 64)])
 def test_matches_the_definition(backend, dtype, cu_q, cu_k, H, D, E):
@@ -43,10 +46,10 @@ def test_matches_the_definition(backend, dtype, cu_q, cu_k, H, D, E):
     cq = torch.tensor(cu_q)
     ck = torch.tensor(cu_k) if cu_k else None
     q, k, v, do = inputs(cu_q[-1], (cu_k or cu_q)[-1], H, D, E, dtype, cu_q[-1] + D)
-    o = flash.varlen_attention(q, k, v, cq, ck, scale=D ** -0.5, backend=backend)
+    o = flash.varlen_attention(q, k, v, cq, ck, scale=D**-0.5, backend=backend)
     o.backward(do)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    want = reference.varlen_attention(q64, k64, v64, cq, ck, scale=D ** -0.5)
+    want = reference.varlen_attention(q64, k64, v64, cq, ck, scale=D**-0.5)
     want.backward(do.double())
     assert o.shape == (cu_q[-1], H, E) and o.dtype == dtype
     assert rel(o, want) < TOL[dtype]

@@ -2,6 +2,7 @@
 the output and the gradients of the sources and the pseudo-query, odd shapes, bf16 and fp32
 (ARCHITECTURE.md's tolerances); and the dispatch. On a CPU the small fp32 cases run through
 Triton's interpreter (tests/unit/test_kernels_interpreted.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,15 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
-@pytest.mark.parametrize("L,B,T,D", [(1, 1, 5, 64), (3, 2, 37, 96), pytest.param(9, 1, 513, 7168, marks=gpu_only),
-                                     pytest.param(14, 3, 11, 4096, marks=gpu_only)])
+@pytest.mark.parametrize(
+    "L,B,T,D",
+    [
+        (1, 1, 5, 64),
+        (3, 2, 37, 96),
+        pytest.param(9, 1, 513, 7168, marks=gpu_only),
+        pytest.param(14, 3, 11, 4096, marks=gpu_only),
+    ],
+)
 def test_matches_the_definition(L, B, T, D, dtype):
     from kiln_kernels.attnres.triton import depth_attention
 

@@ -4,6 +4,7 @@ norm per group of channels (q's and k's heads), with documents shorter than the 
 rows, odd token, channel and group counts, fp32 and bf16 (ARCHITECTURE.md's tolerances); bf16
 autocast as F.conv1d takes it; and the dispatch. On a CPU the small fp32 cases run through
 Triton's interpreter (tests/unit/test_kernels_interpreted.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,13 +27,21 @@ def inputs(B: int, T: int, C: int, W: int, dtype, seed: int):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
-@pytest.mark.parametrize("B,T,C,W,docs,norm", [
-    (1, 37, 96, 4, None, 0), (2, 70, 130, 4, None, 0), (1, 45, 64, 4, [0, 1, 3, 20, 45], 0),
-    (1, 33, 40, 3, [0, 2, 33], 0),
-    (2, 50, 96, 4, None, 32), (1, 45, 64, 4, [0, 1, 3, 20, 45], 16), (1, 40, 72, 4, None, 24),  # L2 norm per group
-    pytest.param(1, 4099, 12288, 4, [0, 1000, 1001, 3000, 4099], 0, marks=gpu_only),
-    pytest.param(1, 4099, 4096, 4, [0, 1000, 1001, 3000, 4099], 128, marks=gpu_only),
-    pytest.param(3, 513, 384, 4, None, 128, marks=gpu_only)])
+@pytest.mark.parametrize(
+    "B,T,C,W,docs,norm",
+    [
+        (1, 37, 96, 4, None, 0),
+        (2, 70, 130, 4, None, 0),
+        (1, 45, 64, 4, [0, 1, 3, 20, 45], 0),
+        (1, 33, 40, 3, [0, 2, 33], 0),
+        (2, 50, 96, 4, None, 32),
+        (1, 45, 64, 4, [0, 1, 3, 20, 45], 16),
+        (1, 40, 72, 4, None, 24),  # L2 norm per group
+        pytest.param(1, 4099, 12288, 4, [0, 1000, 1001, 3000, 4099], 0, marks=gpu_only),
+        pytest.param(1, 4099, 4096, 4, [0, 1000, 1001, 3000, 4099], 128, marks=gpu_only),
+        pytest.param(3, 513, 384, 4, None, 128, marks=gpu_only),
+    ],
+)
 def test_matches_the_definition(B, T, C, W, docs, norm, dtype):
     from kiln_kernels.conv.triton import short_conv
 

@@ -3,6 +3,7 @@ selection, the sparse attention (output, indexer target, every gradient), the in
 (value and every gradient); multi-query (MLA absorbed), grouped and per-head keys, packed
 documents, ragged counts; fp32 and bf16 (ARCHITECTURE.md's tolerances). On a CPU these run
 through Triton's interpreter at the small shapes (tests/unit/test_kernels_interpreted.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,21 +19,28 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
 
 # B, T, J, DH, topk, packed documents
-INDEX = [(1, 37, 3, 16, 8, False), (2, 90, 8, 32, 16, True),
-         pytest.param(1, 2100, 64, 128, 2048, False, marks=gpu_only),
-         pytest.param(2, 1300, 16, 64, 512, True, marks=gpu_only)]
+INDEX = [
+    (1, 37, 3, 16, 8, False),
+    (2, 90, 8, 32, 16, True),
+    pytest.param(1, 2100, 64, 128, 2048, False, marks=gpu_only),
+    pytest.param(2, 1300, 16, 64, 512, True, marks=gpu_only),
+]
 # B, T, H, G, D, E, topk, packed documents
-ATTN = [(1, 37, 4, 1, 24, 16, 8, False), (2, 70, 4, 4, 24, 16, 8, True), (1, 50, 32, 2, 80, 64, 64, False),
-        pytest.param(1, 1500, 16, 1, 576, 512, 512, False, marks=gpu_only),
-        pytest.param(2, 700, 8, 8, 192, 128, 256, True, marks=gpu_only),
-        pytest.param(1, 300, 128, 1, 576, 512, 2048, False, marks=gpu_only)]
+ATTN = [
+    (1, 37, 4, 1, 24, 16, 8, False),
+    (2, 70, 4, 4, 24, 16, 8, True),
+    (1, 50, 32, 2, 80, 64, 64, False),
+    pytest.param(1, 1500, 16, 1, 576, 512, 512, False, marks=gpu_only),
+    pytest.param(2, 700, 8, 8, 192, 128, 256, True, marks=gpu_only),
+    pytest.param(1, 300, 128, 1, 576, 512, 2048, False, marks=gpu_only),
+]
 
 
 def starts(B: int, T: int, packed: bool) -> torch.Tensor:
     s = torch.zeros(B, T, dtype=torch.long, device=DEVICE)
     if packed:  # three documents of uneven lengths
-        s[:, T // 5:] = T // 5
-        s[:, T // 2 + 3:] = T // 2 + 3
+        s[:, T // 5 :] = T // 5
+        s[:, T // 2 + 3 :] = T // 2 + 3
     return s
 
 
@@ -47,7 +55,7 @@ def indexer_inputs(B, T, J, DH, dtype, seed, exact_dots=False):
     if exact_dots:
         q, k = (q * 4).round().clamp(-8, 8) / 4, (k * 4).round().clamp(-8, 8) / 4
     q, k = q.to(dtype), k.to(dtype)
-    w = (torch.randn(B, T, J, device=DEVICE, generator=g) * J ** -0.5).to(dtype)
+    w = (torch.randn(B, T, J, device=DEVICE, generator=g) * J**-0.5).to(dtype)
     return q, k, w
 
 
@@ -76,8 +84,9 @@ def test_topk_selects_the_best_keys(B, T, J, DH, topk, packed, dtype):
     assert (idx == want).float().mean() > 0.99
 
 
-@pytest.mark.parametrize("S,T,topk,packed", [(90, 37, 8, True), (64, 64, 16, False), pytest.param(3000, 1000, 512, True,
-                                                                                            marks=gpu_only)])
+@pytest.mark.parametrize(
+    "S,T,topk,packed", [(90, 37, 8, True), (64, 64, 16, False), pytest.param(3000, 1000, 512, True, marks=gpu_only)]
+)
 def test_topk_of_the_last_queries_against_earlier_keys(S, T, topk, packed):
     """Context parallel's form: queries that are the last T of S keys choose what the same
     queries choose when every key's query is there too (their starts as they were)."""
@@ -104,7 +113,7 @@ def test_sparse_attention_matches_the_reference(B, T, H, G, D, E, topk, packed, 
     k = torch.randn(B, T, G, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
     v = torch.randn(B, T, G, E, device=DEVICE, generator=g).to(dtype).requires_grad_()
     do = torch.randn(B, T, H, E, device=DEVICE, generator=g).to(dtype)
-    scale = D ** -0.5
+    scale = D**-0.5
     o, p = sparse_attention(q, k, v, idx, scale, with_weights=True)
     o.backward(do)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
@@ -140,8 +149,9 @@ def test_indexer_loss_matches_the_reference(B, T, J, DH, topk, packed, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,T,H,G,D,E,topk", [(2, 40, 4, 2, 24, 16, 8),
-                                              pytest.param(1, 1500, 16, 1, 576, 512, 512, marks=gpu_only)])
+@pytest.mark.parametrize(
+    "B,T,H,G,D,E,topk", [(2, 40, 4, 2, 24, 16, 8), pytest.param(1, 1500, 16, 1, 576, 512, 512, marks=gpu_only)]
+)
 def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, monkeypatch):
     """Under torch.use_deterministic_algorithms the keys' gradients (attention and indexer loss) are
     summed in a fixed order, in several chunks of queries here: two runs are bit-equal and as close
@@ -158,7 +168,7 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, m
 
     def grads():
         xs = [x.detach().clone().requires_grad_() for x in (q, k, v, iq, ik, iw)]
-        o, p = K.sparse_attention(*xs[:3], idx, D ** -0.5, with_weights=True)
+        o, p = K.sparse_attention(*xs[:3], idx, D**-0.5, with_weights=True)
         ((o.float() * do.float()).sum() + K.indexer_kl_loss(*xs[3:], idx, p)).backward()
         return [x.grad for x in xs]
 
@@ -169,7 +179,7 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, m
         torch.use_deterministic_algorithms(False)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v, iq, ik, iw)]
-    o64, p64 = R.sparse_attention(*x64[:3], idx, D ** -0.5, with_weights=True)
+    o64, p64 = R.sparse_attention(*x64[:3], idx, D**-0.5, with_weights=True)
     ((o64 * do.double()).sum() + R.indexer_kl_loss(*x64[3:], idx, p64)).backward()
     for got, x in zip(first, x64, strict=True):
         assert rel(got, x.grad) < TOL[dtype]
@@ -182,7 +192,7 @@ def test_topk_at_least_the_length_is_dense_causal_attention():
     idx = indexer_topk(*indexer_inputs(B, T, 2, 16, torch.float32, seed=3), starts(B, T, False), T)
     g = torch.Generator(device=DEVICE).manual_seed(5)
     q, k, v = (torch.randn(B, T, H, D, device=DEVICE, generator=g) for _ in range(3))
-    got = sparse_attention(q, k, v, idx, D ** -0.5)
+    got = sparse_attention(q, k, v, idx, D**-0.5)
     want = F.scaled_dot_product_attention(*(x.transpose(1, 2).double() for x in (q, k, v)), is_causal=True)
     assert rel(got, want.transpose(1, 2)) < 1e-5
 
@@ -194,8 +204,22 @@ def test_dispatch_and_the_model(monkeypatch):
     from engine.model.common.dsa import GatedDSAttention
 
     torch.manual_seed(0)
-    m = GatedDSAttention(hidden=256, heads=8, q_lora_rank=64, kv_lora_rank=128, qk_nope=32, qk_rope=16, v_dim=32,
-                         index_heads=8, index_head_dim=32, index_topk=64).cuda().train()
+    m = (
+        GatedDSAttention(
+            hidden=256,
+            heads=8,
+            q_lora_rank=64,
+            kv_lora_rank=128,
+            qk_nope=32,
+            qk_rope=16,
+            v_dim=32,
+            index_heads=8,
+            index_head_dim=32,
+            index_topk=64,
+        )
+        .cuda()
+        .train()
+    )
     x = torch.randn(2, 200, 256, device="cuda")
     docs = torch.tensor([[0] * 80 + [1] * 120, [0] * 200], device="cuda")
     pos = torch.cat([torch.arange(80), torch.arange(120)]).cuda()[None].expand(2, -1)

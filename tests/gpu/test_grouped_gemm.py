@@ -3,6 +3,7 @@ against float64 references on fresh random inputs: output, the rows' and the wei
 with empty groups, one-row groups and odd widths, each way of loading and storing its tiles; its
 row-tile table; and, on CUDA, the experts with LoRA through it in bf16 against the float64 loop.
 On a CPU these run through Triton's interpreter in fp32 (tests/unit/test_kernels_interpreted.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,16 +25,20 @@ def counts_for(E: int, seed: int, most: int) -> torch.Tensor:
 
 
 # how the TMA kernels load and store: rows (y and dx), weights (dW)
-LOADS = {"pointers": ({}, {}),
-         "tma": ({"TMA": True}, {"TMA": True}),
-         "tma, flat, tma stores": ({"TMA": True, "FLAT": 1, "STORE": 2}, {"TMA": True, "FLAT": 1}),
-         "tma, warp-specialised": ({"TMA": True, "WS": 1, "STORE": 1}, {"TMA": True, "WS": 1})}
+LOADS = {
+    "pointers": ({}, {}),
+    "tma": ({"TMA": True}, {"TMA": True}),
+    "tma, flat, tma stores": ({"TMA": True, "FLAT": 1, "STORE": 2}, {"TMA": True, "FLAT": 1}),
+    "tma, warp-specialised": ({"TMA": True, "WS": 1, "STORE": 1}, {"TMA": True, "WS": 1}),
+}
 
 
 @pytest.mark.parametrize("loads", list(LOADS))
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
-@pytest.mark.parametrize("E,N,K,most", [(5, 24, 40, 70), (3, 136, 72, 200), (4, 128, 40, 150),
-                                         pytest.param(16, 1024, 2048, 700, marks=gpu_only)])
+@pytest.mark.parametrize(
+    "E,N,K,most",
+    [(5, 24, 40, 70), (3, 136, 72, 200), (4, 128, 40, 150), pytest.param(16, 1024, 2048, 700, marks=gpu_only)],
+)
 def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch):
     """Each way of loading and storing the TMA kernels' tiles (the rows kernel takes dx only where
     the reduction N is whole BK blocks: the 128 and 1024 cases)."""
@@ -54,6 +59,7 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch)
             def launch(*args, **kw):
                 launches.append({True: "dx", False: "y"}.get(kw.get("TRANS"), self.name))
                 return self.kernel[grid](*args, **kw)
+
             return launch
 
     monkeypatch.setattr(fast, "_gmm_rows_tma", Counted(fast._gmm_rows_tma, "y"))
@@ -63,7 +69,7 @@ def test_grouped_gemm_matches_the_loop(E, N, K, most, dtype, loads, monkeypatch)
     offs = counts.cumsum(0).to(torch.int32)
     g = torch.Generator(device=DEVICE).manual_seed(K)
     x = torch.randn(int(counts.sum()), K, device=DEVICE, generator=g).to(dtype).requires_grad_()
-    W = (torch.randn(E, N, K, device=DEVICE, generator=g) * K ** -0.5).to(dtype).requires_grad_()
+    W = (torch.randn(E, N, K, device=DEVICE, generator=g) * K**-0.5).to(dtype).requires_grad_()
     dy = torch.randn(x.shape[0], N, device=DEVICE, generator=g).to(dtype)
     y = gmm(x, W, offs)
     y.backward(dy)
@@ -95,7 +101,7 @@ def check_row_tiles(counts: torch.Tensor, BM: int) -> list[int]:
             assert counts[g] >= BM and starts[g] <= r and r + BM <= offs[g]
         else:
             assert 0 < counts[g] < BM and r == starts[g]
-        covered[r:min(r + BM, int(offs[g]))] += 1
+        covered[r : min(r + BM, int(offs[g]))] += 1
     assert (covered >= 1).all()
     assert int((covered > 1).sum()) == sum(-int(c) % BM for c in counts if c >= BM)  # only the last tiles overlap
     return bounds.tolist()
@@ -112,8 +118,6 @@ def test_row_tiles_lie_inside_their_groups():
     check_row_tiles(torch.randint(0, 300, (300,), device=DEVICE, generator=g), 128)
 
 
-
-
 @gpu_only
 @pytest.mark.parametrize("E,D,I,r", [(8, 64, 32, 8), (13, 256, 96, 16)])
 def test_experts_with_lora_match_the_loop(E, D, I, r):
@@ -125,8 +129,9 @@ def test_experts_with_lora_match_the_loop(E, D, I, r):
     y = fast.grouped_mlp(x, counts, W1, W2, situ, lora, 2.0)
     y.float().backward(dy)
     d = [p.detach().double().requires_grad_() for p in leaves(x, W1, W2, lora)]
-    want = reference.grouped_mlp(d[0], counts, d[1], d[2], situ, {"gate_up_proj": (d[3], d[4]),
-                                                                   "down_proj": (d[5], d[6])}, 2.0)
+    want = reference.grouped_mlp(
+        d[0], counts, d[1], d[2], situ, {"gate_up_proj": (d[3], d[4]), "down_proj": (d[5], d[6])}, 2.0
+    )
     want.backward(dy.double())
     assert y.dtype == torch.bfloat16 and rel(y, want) < 1e-2
     for i, (p, q) in enumerate(zip(leaves(x, W1, W2, lora), d, strict=True)):

@@ -3,6 +3,7 @@ the output, the final state and the gradients of q, k, v, g, beta and the initia
 ragged variable-length batches (sequences shorter than a row block, longer than a chunk), plain
 batches, fp32 and bf16. On a CPU the fp32 cases run through Triton's interpreter
 (tests/unit/test_kernels_interpreted.py)."""
+
 from __future__ import annotations
 
 import warnings
@@ -23,10 +24,13 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 def case(B, T, H, K, V, dtype, seed, state, lower_bound=None):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     r = lambda *s: torch.randn(*s, device=DEVICE, generator=g)
-    x = {"q": F.normalize(r(B, T, H, K), dim=-1).to(dtype), "k": F.normalize(r(B, T, H, K), dim=-1).to(dtype),
-         "v": r(B, T, H, V).to(dtype),
-         "g": reference.kda_gate(r(B, T, H, K), r(H) * 0.5, r(H, K), lower_bound),
-         "beta": torch.sigmoid(r(B, T, H)).to(dtype)}
+    x = {
+        "q": F.normalize(r(B, T, H, K), dim=-1).to(dtype),
+        "k": F.normalize(r(B, T, H, K), dim=-1).to(dtype),
+        "v": r(B, T, H, V).to(dtype),
+        "g": reference.kda_gate(r(B, T, H, K), r(H) * 0.5, r(H, K), lower_bound),
+        "beta": torch.sigmoid(r(B, T, H)).to(dtype),
+    }
     if state:
         x["initial_state"] = r(B, H, K, V)
     return {n: t.requires_grad_() for n, t in x.items()}
@@ -52,12 +56,16 @@ def check(x, cu, dtype, N):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
-@pytest.mark.parametrize("lens,H,K,V,state,lower_bound", [
-    ([5, 70, 0, 64, 1, 130], 2, 16, 32, True, None),  # an empty sequence among them
-    ([200], 1, 32, 16, False, -5.0),
-    ([40, 90], 1, 128, 16, True, None),  # K in two blocks of 64
-    pytest.param([3000, 17, 1000, 4000], 4, 128, 128, True, -5.0, marks=gpu_only),
-    pytest.param([8192], 2, 128, 64, False, None, marks=gpu_only)])
+@pytest.mark.parametrize(
+    "lens,H,K,V,state,lower_bound",
+    [
+        ([5, 70, 0, 64, 1, 130], 2, 16, 32, True, None),  # an empty sequence among them
+        ([200], 1, 32, 16, False, -5.0),
+        ([40, 90], 1, 128, 16, True, None),  # K in two blocks of 64
+        pytest.param([3000, 17, 1000, 4000], 4, 128, 128, True, -5.0, marks=gpu_only),
+        pytest.param([8192], 2, 128, 64, False, None, marks=gpu_only),
+    ],
+)
 def test_variable_length_matches_the_reference(lens, H, K, V, state, lower_bound, dtype):
     cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0)
     x = case(1, sum(lens), H, K, V, dtype, sum(lens) + K, False, lower_bound)
@@ -78,15 +86,17 @@ def test_steep_decay(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
-@pytest.mark.parametrize("B,T,H,K,V", [(2, 100, 2, 16, 16), (1, 80, 1, 16, 64),
-                                       pytest.param(3, 1000, 8, 128, 128, marks=gpu_only)])
+@pytest.mark.parametrize(
+    "B,T,H,K,V", [(2, 100, 2, 16, 16), (1, 80, 1, 16, 64), pytest.param(3, 1000, 8, 128, 128, marks=gpu_only)]
+)
 def test_batch_matches_the_reference(B, T, H, K, V, dtype):
     check(case(B, T, H, K, V, dtype, B * T, True), None, dtype, B)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
-@pytest.mark.parametrize("lower_bound,bias,trained", [(None, True, True), (-5.0, True, True), (-5.0, False, False),
-                                                      (None, True, False)])
+@pytest.mark.parametrize(
+    "lower_bound,bias,trained", [(None, True, True), (-5.0, True, True), (-5.0, False, False), (None, True, False)]
+)
 def test_the_gate_matches_the_reference(lower_bound, bias, trained, dtype):
     """kiln_kernels/kda/gate.py: g and the gradients of g_raw, A_log and dt_bias (when they train)
     against the float64 definition; g_raw spans softplus's threshold (|x| up to ~25)."""
@@ -161,6 +171,7 @@ def test_a_packed_layer_waits_for_the_device_once():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = m(x, cu_seqlens(docs))
         out.float().sum().backward()
+
     step()  # compiles the kernels
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
@@ -174,4 +185,3 @@ def test_a_packed_layer_waits_for_the_device_once():
     # mode gives in torch >= 2.10 ("Synchronization debug mode is a prototype feature")
     where = [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "called a synchronizing" in str(w.message)]
     assert len(where) == 1 and where[0].startswith("layers.py:"), where
-

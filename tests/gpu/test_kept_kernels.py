@@ -3,6 +3,7 @@ DSA's sparse attention and indexer loss, from trainable projections is recompute
 backward; with the kernels' outputs kept, their forward kernels run once (as without recompute,
 twice under full recompute) and every gradient is bit-equal to the run without recompute. On a
 CPU these run through Triton's interpreter in fp32 (tests/unit/test_kernels_interpreted.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,9 +16,12 @@ from engine.spec import MemorySpec
 from tests.interpret import DEVICE, needs_kernels
 
 pytestmark = needs_kernels
-SPECS = {"none": MemorySpec(), "full": MemorySpec(recompute="full"),
-         "kept": MemorySpec(recompute="selective", cache_ops=["kernels"]),
-         "kept, host": MemorySpec(recompute="selective", cache_ops=["kernels"], tier="host")}
+SPECS = {
+    "none": MemorySpec(),
+    "full": MemorySpec(recompute="full"),
+    "kept": MemorySpec(recompute="selective", cache_ops=["kernels"]),
+    "kept, host": MemorySpec(recompute="selective", cache_ops=["kernels"], tier="host"),
+}
 
 
 class Launches:
@@ -44,8 +48,14 @@ class KDABlock(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, self.H, -1).split([self.K, self.K, self.V], -1)
         g = -F.softplus(self.gate(x)).view(B, T, self.H, self.K)
-        o, _ = fast.kda_chunk(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, g,
-                              torch.sigmoid(self.beta(x)), cu_seqlens=torch.tensor([0, 30, 70], device=x.device))
+        o, _ = fast.kda_chunk(
+            F.normalize(q, dim=-1),
+            F.normalize(k, dim=-1),
+            v,
+            g,
+            torch.sigmoid(self.beta(x)),
+            cu_seqlens=torch.tensor([0, 30, 70], device=x.device),
+        )
         return self.out(o.reshape(B, T, -1)), None
 
 
@@ -66,8 +76,7 @@ class DSABlock(nn.Module):
         starts = torch.zeros(B, T, dtype=torch.long, device=x.device)
         idx = dsa.indexer_topk(iq.detach(), ik.detach(), iw.detach(), starts, self.topk)  # a selection: kept
         k, v = self.kv(x).view(B, T, 1, 2 * self.E).chunk(2, -1)
-        o, p = fast.sparse_attention(self.q(x).view(B, T, self.H, self.E), k, v, idx, self.E ** -0.5,
-                                     with_weights=True)
+        o, p = fast.sparse_attention(self.q(x).view(B, T, self.H, self.E), k, v, idx, self.E**-0.5, with_weights=True)
         return self.out(o.reshape(B, T, -1)), fast.indexer_kl_loss(iq, ik, iw, idx, p)
 
 
@@ -91,8 +100,9 @@ def deterministic():
     torch.use_deterministic_algorithms(False)
 
 
-@pytest.mark.parametrize("block_type,kernels", [(KDABlock, ["_output"]),
-                                                (DSABlock, ["_attn_fwd", "_attn_weights", "_kl_fwd"])])
+@pytest.mark.parametrize(
+    "block_type,kernels", [(KDABlock, ["_output"]), (DSABlock, ["_attn_fwd", "_attn_weights", "_kl_fwd"])]
+)
 def test_kept_kernels_run_once_and_the_gradients_are_bit_equal(block_type, kernels, deterministic, monkeypatch):
     from kiln_kernels.dsa import triton as dsa_kernels
     from kiln_kernels.kda import triton as kda_kernels

@@ -2,6 +2,7 @@
 the loss and both gradients, ragged shapes, ignored targets, bf16 and fp32 (tolerances of
 ARCHITECTURE.md: relative Frobenius error fp32 < 1e-5, bf16 < 1e-2). On a CPU the fp32 cases run
 through Triton's interpreter (tests/unit/test_kernels_interpreted.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,10 @@ def definition(h, W, y):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
-@pytest.mark.parametrize("N,D,V", [pytest.param(777, 96, 5003, marks=gpu_only), pytest.param(2048, 256, 32000, marks=gpu_only),
-                                   (33, 64, 131)])
+@pytest.mark.parametrize(
+    "N,D,V",
+    [pytest.param(777, 96, 5003, marks=gpu_only), pytest.param(2048, 256, 32000, marks=gpu_only), (33, 64, 131)],
+)
 def test_matches_the_definition(N, D, V, dtype):
     from kiln_kernels.loss.triton import linear_cross_entropy
 

@@ -4,6 +4,7 @@ and the LoRA factors, with empty experts and odd row counts, bf16 (tolerance 1e-
 dispatch back to the loop where grouped GEMMs do not apply (LoRA rank 4). With frozen expert
 weights the grouped path is one autograd Function (kept whole by Swap Core's ``experts``): bit for
 bit autograd's composition of the same grouped GEMMs."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,9 +27,11 @@ def case(E: int, D: int, I: int, r: int, seed: int):
     M = int(counts.sum())
     t = lambda *s, sc=1.0: (torch.randn(*s, device="cuda", generator=g) * sc).requires_grad_()
     x = t(M, D)
-    W1, W2 = t(E, 2 * I, D, sc=D ** -0.5), t(E, D, I, sc=I ** -0.5)
-    lora = {"gate_up_proj": (t(E, r, D, sc=D ** -0.5), t(E, 2 * I, r, sc=0.1)),
-            "down_proj": (t(E, r, I, sc=I ** -0.5), t(E, D, r, sc=0.1))}
+    W1, W2 = t(E, 2 * I, D, sc=D**-0.5), t(E, D, I, sc=I**-0.5)
+    lora = {
+        "gate_up_proj": (t(E, r, D, sc=D**-0.5), t(E, 2 * I, r, sc=0.1)),
+        "down_proj": (t(E, r, I, sc=I**-0.5), t(E, D, r, sc=0.1)),
+    }
     return x, counts, W1, W2, lora
 
 
@@ -84,8 +87,9 @@ def test_frozen_experts_are_autograds_composition_bit_for_bit(lora_on):
         out.append([y.detach(), *(p.grad for p in trained)])
     assert all(torch.equal(a, b) for a, b in zip(*out, strict=True))
     d = [t.detach().double().requires_grad_() for t in trained]
-    want = reference.grouped_mlp(d[0], counts, W1.double(), W2.double(), situ,
-                                 {k: (d[1 + 2 * i], d[2 + 2 * i]) for i, k in enumerate(lora)}, 2.0)
+    want = reference.grouped_mlp(
+        d[0], counts, W1.double(), W2.double(), situ, {k: (d[1 + 2 * i], d[2 + 2 * i]) for i, k in enumerate(lora)}, 2.0
+    )
     want.backward(dy.double())
     assert rel(out[0][0], want) < 1e-2
     for i, (a, b) in enumerate(zip(out[0][1:], d, strict=True)):

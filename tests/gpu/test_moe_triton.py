@@ -3,6 +3,7 @@ references on fresh random inputs: permute / unpermute with routing weights (out
 the rows and of the weights). On a CPU these run through Triton's interpreter in fp32
 (tests/unit/test_kernels_interpreted.py). The Triton grouped GEMM's tests are in
 test_grouped_gemm.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,13 +17,18 @@ pytestmark = needs_kernels
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-@pytest.mark.parametrize("N,k,E,D,dtype", [
-    (1, 1, 3, 8, torch.float32), (37, 4, 6, 50, torch.float32),
-    # bf16 where the Frobenius error averages over many weights (one token's single weight
-    # gradient is a dot product that can cancel below bf16's resolution)
-    pytest.param(37, 4, 6, 50, torch.bfloat16, marks=gpu_only),
-    pytest.param(4096, 8, 64, 2048, torch.bfloat16, marks=gpu_only),
-    pytest.param(4096, 8, 64, 2048, torch.float32, marks=gpu_only)])
+@pytest.mark.parametrize(
+    "N,k,E,D,dtype",
+    [
+        (1, 1, 3, 8, torch.float32),
+        (37, 4, 6, 50, torch.float32),
+        # bf16 where the Frobenius error averages over many weights (one token's single weight
+        # gradient is a dot product that can cancel below bf16's resolution)
+        pytest.param(37, 4, 6, 50, torch.bfloat16, marks=gpu_only),
+        pytest.param(4096, 8, 64, 2048, torch.bfloat16, marks=gpu_only),
+        pytest.param(4096, 8, 64, 2048, torch.float32, marks=gpu_only),
+    ],
+)
 def test_permute_and_unpermute_match_the_reference(N, k, E, D, dtype):
     from kiln_kernels.moe import triton as fast
 
@@ -35,7 +41,7 @@ def test_permute_and_unpermute_match_the_reference(N, k, E, D, dtype):
     inv = inv.view(N, k)
     x = torch.randn(N, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
     w = torch.rand(N, k, device=DEVICE, generator=g).to(dtype).requires_grad_()
-    lin = torch.randn(D, D, device=DEVICE, generator=g).to(dtype) * D ** -0.5  # the "experts": one matrix
+    lin = torch.randn(D, D, device=DEVICE, generator=g).to(dtype) * D**-0.5  # the "experts": one matrix
     dout = torch.randn(N, D, device=DEVICE, generator=g).to(dtype)
     out = fast.unpermute(fast.permute(x, tok, inv) @ lin, inv, w)
     out.backward(dout)

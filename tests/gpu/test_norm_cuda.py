@@ -3,6 +3,7 @@ the output and the gradients of x, the gate and the weight (trained or frozen), 
 counts, fp32 and bf16 (ARCHITECTURE.md's tolerances), the result's dtype as the reference gives it,
 and the dispatch. On a CPU the small fp32 cases run through Triton's interpreter
 (tests/unit/test_kernels_interpreted.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,15 +19,22 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("shape,trained", [((37, 64), True), ((2, 13, 96), False), ((3, 5, 4, 40), True),
-                                           pytest.param((4099, 4096), True, marks=gpu_only),
-                                           pytest.param((1, 300, 7168), False, marks=gpu_only),
-                                           pytest.param((2, 700, 32, 128), False, marks=gpu_only)])
+@pytest.mark.parametrize(
+    "shape,trained",
+    [
+        ((37, 64), True),
+        ((2, 13, 96), False),
+        ((3, 5, 4, 40), True),
+        pytest.param((4099, 4096), True, marks=gpu_only),
+        pytest.param((1, 300, 7168), False, marks=gpu_only),
+        pytest.param((2, 700, 32, 128), False, marks=gpu_only),
+    ],
+)
 def test_matches_the_definition(shape, trained, gated, dtype):
     from kiln_kernels.norm import triton as impl
 
     g = torch.Generator(device=DEVICE).manual_seed(sum(shape) + gated)
-    r = lambda *s, sc=1.0: (torch.randn(*s, device=DEVICE, generator=g) * sc)
+    r = lambda *s, sc=1.0: torch.randn(*s, device=DEVICE, generator=g) * sc
     x = (r(*shape) * 3 + 0.5).to(dtype).requires_grad_()
     gate = (r(*shape) * 2).to(dtype).requires_grad_() if gated else None
     w = (1 + r(shape[-1], sc=0.3)).requires_grad_(trained)  # fp32, as the model keeps it

@@ -2,6 +2,7 @@
 GPU is what is lent here): FSDP2's step equals the plain model's within bf16 tolerance, a DCP
 checkpoint written on the GPU loads back exactly, and a job started by torchrun trains as
 engine.train does in one process."""
+
 from __future__ import annotations
 
 import pytest

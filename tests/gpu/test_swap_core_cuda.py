@@ -1,6 +1,7 @@
 """Swap Core on a GPU (skipped elsewhere): with bf16 autocast the host tier's side-stream copies
 give gradients bit-equal to a run without recompute, quantized caches stay close, and the kept
 activations leave the device."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,12 +48,15 @@ def test_swap_core_on_cuda(deterministic):
     ref, peak_none, _ = step(model, ids, MemorySpec())
     again, _, _ = step(model, ids, MemorySpec())
     assert all(torch.equal(ref[n], again[n]) for n in ref)  # the model itself is deterministic here
-    for spec in (MemorySpec(recompute="full"), MemorySpec(recompute="selective"),  # the default: kernels
-                 MemorySpec(recompute="selective", cache_ops=ALL),
-                 MemorySpec(recompute="selective", cache_ops=ALL, tier="host"),
-                 MemorySpec(recompute="selective", cache_ops=["kernels", "projections"], tier="host"),
-                 MemorySpec(recompute="selective", cache_ops=["kernels", "projections", "experts"], tier="host"),
-                 MemorySpec(recompute="selective", cache_ops=ALL, tier="auto", device_budget_mb=1.0)):
+    for spec in (
+        MemorySpec(recompute="full"),
+        MemorySpec(recompute="selective"),  # the default: kernels
+        MemorySpec(recompute="selective", cache_ops=ALL),
+        MemorySpec(recompute="selective", cache_ops=ALL, tier="host"),
+        MemorySpec(recompute="selective", cache_ops=["kernels", "projections"], tier="host"),
+        MemorySpec(recompute="selective", cache_ops=["kernels", "projections", "experts"], tier="host"),
+        MemorySpec(recompute="selective", cache_ops=ALL, tier="auto", device_budget_mb=1.0),
+    ):
         got, peak, core = step(model, ids, spec)
         for n in ref:
             assert torch.equal(got[n], ref[n]), (spec, n)

@@ -1,5 +1,6 @@
 """On a GPU (skipped elsewhere): every built-in model trains through engine.train with bf16
 autocast, and its first loss agrees with the fp32 CPU run within bf16 tolerance."""
+
 from __future__ import annotations
 
 import math
@@ -24,16 +25,33 @@ def run(model: str, store: LocalStore, images: bool, experts: bool) -> Recording
         text = store.root / "text.jsonl"
         text.write_text("\n".join(lines) + "\n")
     rec = RecordingReporter()
-    lora = LoraSpec(rank=8, target_modules=["q_proj", "o_proj", "down_proj"],
-                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else [])
-    engine.train(JobSpec(job_id=f"gpu-{model}", model=model, training_file=str(text),
-                         images_file=str(SAMPLE / "images.zip") if images else None, max_steps=30, batch_size=8,
-                         learning_rate_multiplier=2.0, seed=0, lora=lora), store, rec)
+    lora = LoraSpec(
+        rank=8,
+        target_modules=["q_proj", "o_proj", "down_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else [],
+    )
+    engine.train(
+        JobSpec(
+            job_id=f"gpu-{model}",
+            model=model,
+            training_file=str(text),
+            images_file=str(SAMPLE / "images.zip") if images else None,
+            max_steps=30,
+            batch_size=8,
+            learning_rate_multiplier=2.0,
+            seed=0,
+            lora=lora,
+        ),
+        store,
+        rec,
+    )
     return rec
 
 
-@pytest.mark.parametrize("model,images,experts", [("kiln-tiny", True, False), ("kimi-linear-tiny", False, True),
-                                                  ("kiln-hybrid-tiny", True, True)])
+@pytest.mark.parametrize(
+    "model,images,experts",
+    [("kiln-tiny", True, False), ("kimi-linear-tiny", False, True), ("kiln-hybrid-tiny", True, True)],
+)
 def test_trains_on_cuda_like_on_cpu(model, images, experts, tmp_path):
     gpu = run(model, LocalStore(tmp_path / "gpu"), images, experts)
     assert all(math.isfinite(v) for v in gpu.losses.values())

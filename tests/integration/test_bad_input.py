@@ -1,5 +1,6 @@
 """Every bad input gets a 4xx in OpenAI's error shape that names the problem, and leaves
 nothing behind in the store or the database."""
+
 from __future__ import annotations
 
 import io
@@ -40,24 +41,52 @@ def assert_error(r, status: int, *needles: str, param: str | None = None) -> dic
     return err
 
 
-@pytest.mark.parametrize("rows, needles", [
-    ((GOOD, "{not json"), ["line 2", "invalid JSON"]),
-    (({"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]},),
-     ["line 1", "messages[0].role", "unknown role 'bot'"]),
-    ((GOOD, GOOD, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}),
-     ["line 3", "messages[1].content", "empty assistant turn"]),
-    (({"images": ["a.png", "b.png"], "messages": [{"role": "user", "content": "<image> q"},
-                                                   {"role": "assistant", "content": "1"}]},),
-     ["line 1", "images", "1 <image> placeholder(s) but 2 image(s)"]),
-    (({"images": ["../../etc/passwd"], "messages": [{"role": "user", "content": "<image> q"},
-                                                     {"role": "assistant", "content": "1"}]},),
-     ["line 1", "images[0]", "escapes the dataset root"]),
-    (({"messages": "hello"},), ["line 1", "messages", "non-empty list"]),
-    (({"messages": [{"role": "user", "content": "only a question"}]},), ["line 1", "no assistant message"]),
-    (({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
-                    {"role": "assistant", "content": "a"}]},), ["line 1", "images[0]", "remote image URLs"]),
-    (("[1, 2]",), ["line 1", "JSON object"]),
-])
+@pytest.mark.parametrize(
+    "rows, needles",
+    [
+        ((GOOD, "{not json"), ["line 2", "invalid JSON"]),
+        (
+            ({"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]},),
+            ["line 1", "messages[0].role", "unknown role 'bot'"],
+        ),
+        (
+            (GOOD, GOOD, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}),
+            ["line 3", "messages[1].content", "empty assistant turn"],
+        ),
+        (
+            (
+                {
+                    "images": ["a.png", "b.png"],
+                    "messages": [{"role": "user", "content": "<image> q"}, {"role": "assistant", "content": "1"}],
+                },
+            ),
+            ["line 1", "images", "1 <image> placeholder(s) but 2 image(s)"],
+        ),
+        (
+            (
+                {
+                    "images": ["../../etc/passwd"],
+                    "messages": [{"role": "user", "content": "<image> q"}, {"role": "assistant", "content": "1"}],
+                },
+            ),
+            ["line 1", "images[0]", "escapes the dataset root"],
+        ),
+        (({"messages": "hello"},), ["line 1", "messages", "non-empty list"]),
+        (({"messages": [{"role": "user", "content": "only a question"}]},), ["line 1", "no assistant message"]),
+        (
+            (
+                {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+                        {"role": "assistant", "content": "a"},
+                    ]
+                },
+            ),
+            ["line 1", "images[0]", "remote image URLs"],
+        ),
+        (("[1, 2]",), ["line 1", "JSON object"]),
+    ],
+)
 def test_bad_dataset_lines_name_line_and_field(pg_stack, rows, needles):
     before = stored_objects(pg_stack)
     with pg_stack.client() as c:
@@ -76,11 +105,13 @@ def test_oversize_upload_is_refused_and_nothing_kept(pg_stack):
 
         def chunks():  # no Content-Length: the limit has to stop the stream itself
             for i in range(0, len(big), 65536):
-                yield big[i:i + 65536]
+                yield big[i : i + 65536]
 
         boundary = "kilnboundary"
-        body = [f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nfine-tune\r\n".encode(),
-                f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n\r\n".encode()]
+        body = [
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n'.encode(),
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="big.jsonl"\r\n\r\n'.encode(),
+        ]
 
         def stream():
             yield from body
@@ -94,6 +125,7 @@ def test_oversize_upload_is_refused_and_nothing_kept(pg_stack):
 
 def test_wrong_or_missing_key(pg_stack):
     import httpx
+
     r = httpx.get(f"{pg_stack.base_url}/v1/files", headers={"Authorization": "Bearer sk-kiln-nope"})
     assert_error(r, 401, "Incorrect API key")
     r = httpx.get(f"{pg_stack.base_url}/v1/fine_tuning/jobs")
@@ -106,6 +138,7 @@ def test_wrong_or_missing_key(pg_stack):
 def test_revoked_key_stops_working(pg_stack):
     secret = pg_stack.admin("create-key", "--owner", "carol")
     import httpx
+
     assert httpx.get(f"{pg_stack.base_url}/v1/files", headers={"Authorization": f"Bearer {secret}"}).status_code == 200
     key_id = [line.split("\t")[0] for line in pg_stack.admin("list-keys").splitlines() if "\tcarol\t" in line][0]
     pg_stack.admin("revoke-key", key_id)
@@ -118,27 +151,44 @@ def text_file(pg_stack):
         return upload(c, "good.jsonl", jsonl(GOOD, GOOD)).json()["id"]
 
 
-@pytest.mark.parametrize("patch, status, needles, param", [
-    ({"hyperparameters": {"n_epochs": 0}}, 400, ["hyperparameters.n_epochs"], "hyperparameters.n_epochs"),
-    ({"hyperparameters": {"n_epochs": "many"}}, 400, ["n_epochs"], None),
-    ({"hyperparameters": {"learning_rate_multiplier": -1}}, 400, ["learning_rate_multiplier"], None),
-    ({"hyperparameters": {"batch_size": 1000}}, 400, ["batch_size"], None),
-    ({"hyperparameters": {"n_epoch": 3}}, 400, ["n_epoch", "Extra inputs"], None),
-    ({"lora": {"rank": 0}}, 400, ["lora.rank"], None),
-    ({"hyperparameters": {"memory": {"tier": "disk"}}}, 400, ["hyperparameters.memory.tier"], None),
-    ({"hyperparameters": {"memory": {"cache_ops": ["conv"]}}}, 400, ["memory.cache_ops"], None),
-    ({"hyperparameters": {"memory": {"blocks": ["ffn"]}}}, 400, ["hyperparameters.memory.blocks"], None),
-    ({"hyperparameters": {"parallel": {"nproc": 4, "ep_size": 3}}}, 400, ["ep_size (3) must divide nproc (4)"], None),
-    ({"hyperparameters": {"parallel": {"nproc": 0}}}, 400, ["hyperparameters.parallel.nproc"], None),
-    ({"hyperparameters": {"parallel": {"nproc": 2, "ep_size": 2}}}, 400, ["does not divide the 0 experts of kiln-tiny"],
-     "hyperparameters.parallel.ep_size"),
-    ({"metadata": {"note": "a\u0000b"}}, 400, ["metadata", "must not contain NUL characters"], None),
-    ({"lora": {"target_modules": ["qkv"]}}, 400, ["unknown name(s) qkv"], "lora.target_modules"),
-    ({"lora": {"target_parameters": ["mlp.experts.gate_up_proj"]}}, 400, ["choose from none"], "lora.target_parameters"),
-    ({"model": "gpt-5"}, 400, ["'gpt-5' is not available", "kiln-tiny"], "model"),
-    ({"training_file": "file-doesnotexist"}, 400, ["does not exist"], "training_file"),
-    ({"suffix": "bad suffix!"}, 400, ["suffix"], "suffix"),
-])
+@pytest.mark.parametrize(
+    "patch, status, needles, param",
+    [
+        ({"hyperparameters": {"n_epochs": 0}}, 400, ["hyperparameters.n_epochs"], "hyperparameters.n_epochs"),
+        ({"hyperparameters": {"n_epochs": "many"}}, 400, ["n_epochs"], None),
+        ({"hyperparameters": {"learning_rate_multiplier": -1}}, 400, ["learning_rate_multiplier"], None),
+        ({"hyperparameters": {"batch_size": 1000}}, 400, ["batch_size"], None),
+        ({"hyperparameters": {"n_epoch": 3}}, 400, ["n_epoch", "Extra inputs"], None),
+        ({"lora": {"rank": 0}}, 400, ["lora.rank"], None),
+        ({"hyperparameters": {"memory": {"tier": "disk"}}}, 400, ["hyperparameters.memory.tier"], None),
+        ({"hyperparameters": {"memory": {"cache_ops": ["conv"]}}}, 400, ["memory.cache_ops"], None),
+        ({"hyperparameters": {"memory": {"blocks": ["ffn"]}}}, 400, ["hyperparameters.memory.blocks"], None),
+        (
+            {"hyperparameters": {"parallel": {"nproc": 4, "ep_size": 3}}},
+            400,
+            ["ep_size (3) must divide nproc (4)"],
+            None,
+        ),
+        ({"hyperparameters": {"parallel": {"nproc": 0}}}, 400, ["hyperparameters.parallel.nproc"], None),
+        (
+            {"hyperparameters": {"parallel": {"nproc": 2, "ep_size": 2}}},
+            400,
+            ["does not divide the 0 experts of kiln-tiny"],
+            "hyperparameters.parallel.ep_size",
+        ),
+        ({"metadata": {"note": "a\u0000b"}}, 400, ["metadata", "must not contain NUL characters"], None),
+        ({"lora": {"target_modules": ["qkv"]}}, 400, ["unknown name(s) qkv"], "lora.target_modules"),
+        (
+            {"lora": {"target_parameters": ["mlp.experts.gate_up_proj"]}},
+            400,
+            ["choose from none"],
+            "lora.target_parameters",
+        ),
+        ({"model": "gpt-5"}, 400, ["'gpt-5' is not available", "kiln-tiny"], "model"),
+        ({"training_file": "file-doesnotexist"}, 400, ["does not exist"], "training_file"),
+        ({"suffix": "bad suffix!"}, 400, ["suffix"], "suffix"),
+    ],
+)
 def test_bad_job_requests(pg_stack, text_file, patch, status, needles, param):
     body = {"model": "kiln-tiny", "training_file": text_file, **patch}
     with pg_stack.client() as c:
@@ -147,8 +197,13 @@ def test_bad_job_requests(pg_stack, text_file, patch, status, needles, param):
         assert c.get("/v1/fine_tuning/jobs", params={"limit": 100}).json()["data"] == before
 
 
-@pytest.mark.parametrize("raw, needle", [(b'{"name": "\\udb69\\udcdf9\\u0000"}', "must not contain NUL characters"),
-                                         (b'{"name": "\\udb69x"}', "valid string")])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        (b'{"name": "\\udb69\\udcdf9\\u0000"}', "must not contain NUL characters"),
+        (b'{"name": "\\udb69x"}', "valid string"),
+    ],
+)
 def test_key_names_the_database_cannot_keep_are_a_400(pg_stack, raw, needle):
     """Found by the API fuzzer: a name with NUL was a 500 from PostgreSQL."""
     with pg_stack.client() as c:
@@ -159,22 +214,36 @@ def test_key_names_the_database_cannot_keep_are_a_400(pg_stack, raw, needle):
 
 
 def test_missing_image_names_line_and_field(pg_stack, sample):
-    rows = [GOOD, {"images": ["images/nope.png"], "messages": [{"role": "user", "content": "<image>\nq"},
-                                                                {"role": "assistant", "content": "a"}]}]
+    rows = [
+        GOOD,
+        {
+            "images": ["images/nope.png"],
+            "messages": [{"role": "user", "content": "<image>\nq"}, {"role": "assistant", "content": "a"}],
+        },
+    ]
     with pg_stack.client() as c:
         f = upload(c, "imgs.jsonl", jsonl(*rows)).json()
         images = upload(c, "images.zip", (sample / "images.zip").read_bytes()).json()
         r = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f["id"]})
         assert_error(r, 400, "line 2", "images[0]", "upload the images as a zip", param="training_file")
-        r = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f["id"], "images_file": images["id"]})
+        r = c.post(
+            "/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f["id"], "images_file": images["id"]}
+        )
         assert_error(r, 400, "line 2", "images[0]", "'images/nope.png' not found in the uploaded archive")
 
 
 def test_unreadable_image_in_archive(pg_stack):
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
-        zf.writestr("data/train.jsonl", jsonl({"images": ["img/x.png"], "messages": [
-            {"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}]}))
+        zf.writestr(
+            "data/train.jsonl",
+            jsonl(
+                {
+                    "images": ["img/x.png"],
+                    "messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}],
+                }
+            ),
+        )
         zf.writestr("data/img/x.png", b"this is not a png")
     with pg_stack.client() as c:
         assert_error(upload(c, "ds.zip", buf.getvalue()), 400, "line 1", "images[0]", "unreadable image")
@@ -190,7 +259,9 @@ def test_archive_member_escaping_root(pg_stack):
 
 def test_bad_purpose_and_form(pg_stack):
     with pg_stack.client() as c:
-        assert_error(upload(c, "good.jsonl", jsonl(GOOD), purpose="batch"), 400, "purpose must be one of", param="purpose")
+        assert_error(
+            upload(c, "good.jsonl", jsonl(GOOD), purpose="batch"), 400, "purpose must be one of", param="purpose"
+        )
         assert_error(c.post("/v1/files", files={"purpose": (None, "fine-tune")}), 400, "Missing the 'file' part")
         assert_error(c.post("/v1/files", data={"purpose": "fine-tune"}), 415, "multipart/form-data")
         assert_error(c.post("/v1/files", json={"purpose": "fine-tune"}), 415, "multipart/form-data")
@@ -200,9 +271,12 @@ def test_bad_purpose_and_form(pg_stack):
 
 def test_cancel_finished_job_is_a_conflict(pg_stack, text_file):
     from tests.conftest import wait_for
+
     with pg_stack.client() as c:
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": text_file,
-                                                   "hyperparameters": {"n_epochs": 1}}).json()
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={"model": "kiln-tiny", "training_file": text_file, "hyperparameters": {"n_epochs": 1}},
+        ).json()
         wait_for(lambda: c.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "succeeded", what="job")
         assert_error(c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel"), 409, "already succeeded")
         assert_error(c.get("/v1/fine_tuning/jobs", params={"limit": 0}), 400, "limit")

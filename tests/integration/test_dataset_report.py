@@ -1,5 +1,6 @@
 """The dataset report the API gives before any job: problems by line and field, token counts,
 a length histogram and the training tokens and time to expect."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def test_report_counts_tokens_like_the_engine(pg_stack, sample):
 def test_report_lists_problems_and_job_refuses_over_length(pg_stack, sample):
     long = {"messages": [{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "y"}]}
     ok = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
-    img = {"images": ["images/train_0000.png"], "messages": [{"role": "user", "content": "<image>"},
-                                                            {"role": "assistant", "content": "a"}]}
+    img = {
+        "images": ["images/train_0000.png"],
+        "messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}],
+    }
     content = "\n".join(json.dumps(x) for x in (ok, long, img)).encode() + b"\n"
     with pg_stack.client() as c:
         f = upload(c, "mixed.jsonl", content)
@@ -49,8 +52,10 @@ def test_report_lists_problems_and_job_refuses_over_length(pg_stack, sample):
         assert not rep["ok"]
         assert {(i["line"], i["field"]) for i in rep["issues"]} == {(2, "messages"), (3, "images[0]")}
         assert "over max_seq_len 100" in rep["issues"][0]["message"]
-        r = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f,
-                                                 "hyperparameters": {"max_seq_len": 100}})
+        r = c.post(
+            "/v1/fine_tuning/jobs",
+            json={"model": "kiln-tiny", "training_file": f, "hyperparameters": {"max_seq_len": 100}},
+        )
         assert r.status_code == 400
         assert "line 2: messages: example is 306 tokens, over max_seq_len 100" in r.json()["error"]["message"]
         assert c.get(f"/v1/files/{f}/report", params={"model": "gpt-x"}).status_code == 400

@@ -1,5 +1,6 @@
 """Infrastructure faults while jobs run: Redis restarted, PostgreSQL connections dropped, the
 store's disk full during an upload."""
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,31 @@ class Redis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(self.port), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout
-                 .strip() == b"PONG", timeout=20, what="redis")
+        self.proc = subprocess.Popen(
+            [
+                shutil.which("redis-server"),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.dir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(
+            lambda: (
+                subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True).stdout.strip()
+                == b"PONG"
+            ),
+            timeout=20,
+            what="redis",
+        )
 
     def kill(self) -> None:
         self.proc.kill()
@@ -46,7 +67,10 @@ def dataset(sample):
 
 
 def upload_dataset(c, dataset):
-    ids = {n: c.post("/v1/files", files={"file": (n, b)}, data={"purpose": "fine-tune"}).json()["id"] for n, b in dataset.items()}
+    ids = {
+        n: c.post("/v1/files", files={"file": (n, b)}, data={"purpose": "fine-tune"}).json()["id"]
+        for n, b in dataset.items()
+    }
     return {"training_file": ids["train.jsonl"], "images_file": ids["images.zip"]}
 
 
@@ -57,26 +81,37 @@ def test_redis_restart_mid_job(make_pg_stack, dataset, tmp_path):
     try:
         with stack.client() as c:
             files = upload_dataset(c, dataset)
-            first = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **files, "hyperparameters": {
-                "n_epochs": 2, "batch_size": 4}}).json()
+            first = c.post(
+                "/v1/fine_tuning/jobs",
+                json={"model": "kiln-tiny", **files, "hyperparameters": {"n_epochs": 2, "batch_size": 4}},
+            ).json()
             wait_for(lambda: any(e["type"] == "metrics" for e in all_events(c, first["id"])), what="training to start")
             redis.kill()  # Redis keeps nothing on disk: every queued message is gone with it
             t0 = time.time()
-            second = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **files,
-                                                          "hyperparameters": {"n_epochs": 1, "batch_size": 16}})
+            second = c.post(
+                "/v1/fine_tuning/jobs",
+                json={"model": "kiln-tiny", **files, "hyperparameters": {"n_epochs": 1, "batch_size": 16}},
+            )
             assert second.status_code == 200 and time.time() - t0 < 15  # accepted while the broker is down
             second = second.json()
             assert second["status"] == "queued"
-            assert any(e["level"] == "warn" and "queue could not be reached" in e["message"] for e in all_events(c, second["id"]))
+            assert any(
+                e["level"] == "warn" and "queue could not be reached" in e["message"]
+                for e in all_events(c, second["id"])
+            )
             time.sleep(2)
             redis.start()
             done = finished(c, first["id"])
             assert done["status"] == "succeeded", done["error"]
-            assert sorted(e["data"]["step"] for e in all_events(c, first["id"]) if e["type"] == "metrics") == list(range(1, 121))
+            assert sorted(e["data"]["step"] for e in all_events(c, first["id"]) if e["type"] == "metrics") == list(
+                range(1, 121)
+            )
             done = finished(c, second["id"])  # the reaper sent it once Redis was back
             assert done["status"] == "succeeded", done["error"]
-            third = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **files,
-                                                         "hyperparameters": {"n_epochs": 1, "batch_size": 16}}).json()
+            third = c.post(
+                "/v1/fine_tuning/jobs",
+                json={"model": "kiln-tiny", **files, "hyperparameters": {"n_epochs": 1, "batch_size": 16}},
+            ).json()
             assert finished(c, third["id"])["status"] == "succeeded"
     finally:
         stack.stop()
@@ -85,8 +120,10 @@ def test_redis_restart_mid_job(make_pg_stack, dataset, tmp_path):
 
 def terminate_connections(dbname: str) -> int:
     with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        rows = conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
-                            "AND pid <> pg_backend_pid()", (dbname,)).fetchall()
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (dbname,),
+        ).fetchall()
     return len(rows)
 
 
@@ -95,8 +132,14 @@ def test_postgres_connections_dropped_mid_job(make_pg_stack, dataset):
     dbname = stack.env["KILN_DATABASE_URL"].rsplit("/", 1)[1]
     with stack.client() as c:
         files = upload_dataset(c, dataset)
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **files, "hyperparameters": {
-            "n_epochs": 2, "batch_size": 4, "checkpoint_interval": 10}}).json()
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={
+                "model": "kiln-tiny",
+                **files,
+                "hyperparameters": {"n_epochs": 2, "batch_size": 4, "checkpoint_interval": 10},
+            },
+        ).json()
         wait_for(lambda: any(e["type"] == "metrics" for e in all_events(c, job["id"])), what="training to start")
         dropped = 0
         for _ in range(4):

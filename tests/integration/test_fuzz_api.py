@@ -2,6 +2,7 @@
 
 Real ids (a finished job, its checkpoint, a file, a spare key) are given to the fuzzer so that it
 reaches past the 404s into the handlers."""
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,18 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 def test_no_input_gives_a_server_error(make_pg_stack, tmp_path):
     stack = make_pg_stack(rate_limit_per_minute=0)
     with stack.client() as c:
-        f = c.post("/v1/files", files={"file": ("a.jsonl", (json.dumps(GOOD) + "\n").encode() * 4)},
-                   data={"purpose": "fine-tune"}).json()
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f["id"],
-                                                   "hyperparameters": {"max_steps": 2, "batch_size": 2}}).json()
-        job = wait_for(lambda: (j := c.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] == "succeeded" and j,
-                       what="job")
+        f = c.post(
+            "/v1/files",
+            files={"file": ("a.jsonl", (json.dumps(GOOD) + "\n").encode() * 4)},
+            data={"purpose": "fine-tune"},
+        ).json()
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={"model": "kiln-tiny", "training_file": f["id"], "hyperparameters": {"max_steps": 2, "batch_size": 2}},
+        ).json()
+        job = wait_for(
+            lambda: (j := c.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] == "succeeded" and j, what="job"
+        )
         ckpt = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"][0]
         spare = c.post("/v1/keys", json={"name": "spare"}).json()
     config = tmp_path / "schemathesis.toml"
@@ -31,19 +38,38 @@ def test_no_input_gives_a_server_error(make_pg_stack, tmp_path):
     # none, as on a fresh checkout (the seed fixes the rest), and none is written into the repository
     config.write_text(f'''
 [cache]
-directory = "{tmp_path / 'schemathesis-cache'}"
+directory = "{tmp_path / "schemathesis-cache"}"
 
 [parameters]
-"path.job_id" = "{job['id']}"
-"path.file_id" = "{f['id']}"
-"path.ckpt_id" = "{ckpt['id']}"
-"path.key_id" = "{spare['id']}"
-"path.model_id" = "{job['fine_tuned_model']}"
+"path.job_id" = "{job["id"]}"
+"path.file_id" = "{f["id"]}"
+"path.ckpt_id" = "{ckpt["id"]}"
+"path.key_id" = "{spare["id"]}"
+"path.model_id" = "{job["fine_tuned_model"]}"
 ''')
-    run = subprocess.run([str(Path(sys.executable).parent / "schemathesis"), "--config-file", str(config), "run",
-                          f"{stack.base_url}/openapi.json", "-H", f"Authorization: Bearer {stack.keys['alice']}",
-                          "--checks", "not_a_server_error", "--max-examples", "40", "--request-timeout", "20",
-                          "--seed", "20261202"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "schemathesis"),
+            "--config-file",
+            str(config),
+            "run",
+            f"{stack.base_url}/openapi.json",
+            "-H",
+            f"Authorization: Bearer {stack.keys['alice']}",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "40",
+            "--request-timeout",
+            "20",
+            "--seed",
+            "20261202",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-5000:] + run.stderr[-2000:]
     assert "passed" in run.stdout and "failed" not in run.stdout.split("SUMMARY")[-1].lower()
     with stack.client() as c:  # the service still works after the fuzzing

@@ -2,6 +2,7 @@
 
 Before sessions closed on the event loop, 200 clients deadlocked the connection pool (threads
 waited for connections held by requests that were waiting for a thread)."""
+
 from __future__ import annotations
 
 from bench.load import run
@@ -18,4 +19,9 @@ def test_concurrent_clients_get_no_errors(make_pg_stack, sample):
     assert result["baseline"]["errors"] == 0
     assert result["mix"]["errors"] == 0, result["mix"]["first_errors"]
     assert result["mix"]["count"] > 120 and {r["request"] for r in result["rows"]} == {
-        "get job", "list events", "list files", "list jobs", "list models"}
+        "get job",
+        "list events",
+        "list files",
+        "list jobs",
+        "list models",
+    }

@@ -1,5 +1,6 @@
 """The whole path through the official openai SDK against the real server, PostgreSQL, Redis
 and a Celery worker process."""
+
 from __future__ import annotations
 
 import io
@@ -25,12 +26,20 @@ def finished_job(oai, sample):
     images = oai.files.create(file=open(sample / "images.zip", "rb"), purpose="fine-tune")
     assert train.status == "processed" and images.status == "processed"
     job = oai.fine_tuning.jobs.create(
-        model="kiln-tiny", training_file=train.id, validation_file=valid.id, suffix="shapes", seed=7,
+        model="kiln-tiny",
+        training_file=train.id,
+        validation_file=valid.id,
+        suffix="shapes",
+        seed=7,
         method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 8}}},
-        extra_body={"images_file": images.id, "lora": {"rank": 4, "alpha": 8}})
+        extra_body={"images_file": images.id, "lora": {"rank": 4, "alpha": 8}},
+    )
     assert job.status in ("queued", "running") and job.id.startswith("ftjob-")
-    done = wait_for(lambda: (j := oai.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed", "cancelled") and j,
-                    timeout=240, what="job to finish")
+    done = wait_for(
+        lambda: (j := oai.fine_tuning.jobs.retrieve(job.id)).status in ("succeeded", "failed", "cancelled") and j,
+        timeout=240,
+        what="job to finish",
+    )
     return done, train
 
 
@@ -71,7 +80,10 @@ def test_checkpoints_listed_and_downloadable(oai, pg_stack, finished_job):
     with pg_stack.client() as c:
         r = c.get(f"/v1/fine_tuning/jobs/{job.id}/checkpoints/{ckpts[1].id}/adapter")
     assert r.status_code == 200
-    assert set(zipfile.ZipFile(io.BytesIO(r.content)).namelist()) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert set(zipfile.ZipFile(io.BytesIO(r.content)).namelist()) == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
 
 
 def test_adapter_is_peft_layout(pg_stack, finished_job):
@@ -109,10 +121,15 @@ def test_jobs_list_paginates(oai, finished_job):
 def test_other_owner_sees_nothing(pg_stack, finished_job):
     job, train = finished_job
     with pg_stack.client("bob") as c:
-        for path in (f"/v1/fine_tuning/jobs/{job.id}", f"/v1/fine_tuning/jobs/{job.id}/events",
-                     f"/v1/fine_tuning/jobs/{job.id}/checkpoints", f"/v1/fine_tuning/jobs/{job.id}/adapter",
-                     f"/v1/fine_tuning/jobs/{job.id}/events/stream", f"/v1/files/{train.id}",
-                     f"/v1/files/{train.id}/content"):
+        for path in (
+            f"/v1/fine_tuning/jobs/{job.id}",
+            f"/v1/fine_tuning/jobs/{job.id}/events",
+            f"/v1/fine_tuning/jobs/{job.id}/checkpoints",
+            f"/v1/fine_tuning/jobs/{job.id}/adapter",
+            f"/v1/fine_tuning/jobs/{job.id}/events/stream",
+            f"/v1/files/{train.id}",
+            f"/v1/files/{train.id}/content",
+        ):
             r = c.get(path)
             assert r.status_code == 404, (path, r.status_code)
             assert r.json()["error"]["type"] == "invalid_request_error"
@@ -160,21 +177,36 @@ def test_file_list_content_and_delete(oai, pg_stack, sample):
 
 def test_idempotency_key_replays_the_first_answer(pg_stack, sample):
     with pg_stack.client() as c:
-        up = c.post("/v1/files", files={"file": ("t.jsonl", (sample / "test.jsonl").read_bytes())},
-                    data={"purpose": "fine-tune"}, headers={"Idempotency-Key": "up-1"}).json()
-        again = c.post("/v1/files", files={"file": ("t.jsonl", (sample / "test.jsonl").read_bytes())},
-                       data={"purpose": "fine-tune"}, headers={"Idempotency-Key": "up-1"}).json()
+        up = c.post(
+            "/v1/files",
+            files={"file": ("t.jsonl", (sample / "test.jsonl").read_bytes())},
+            data={"purpose": "fine-tune"},
+            headers={"Idempotency-Key": "up-1"},
+        ).json()
+        again = c.post(
+            "/v1/files",
+            files={"file": ("t.jsonl", (sample / "test.jsonl").read_bytes())},
+            data={"purpose": "fine-tune"},
+            headers={"Idempotency-Key": "up-1"},
+        ).json()
         assert up["id"] == again["id"]
         text_only = [l for l in (sample / "test.jsonl").read_text().splitlines() if '"images"' not in l]
-        tf = c.post("/v1/files", files={"file": ("text.jsonl", "\n".join(text_only).encode())},
-                    data={"purpose": "fine-tune"}).json()
+        tf = c.post(
+            "/v1/files", files={"file": ("text.jsonl", "\n".join(text_only).encode())}, data={"purpose": "fine-tune"}
+        ).json()
         body = {"model": "kiln-tiny", "training_file": tf["id"], "hyperparameters": {"n_epochs": 1}}
         j1 = c.post("/v1/fine_tuning/jobs", json=body, headers={"Idempotency-Key": "job-1"}).json()
         j2 = c.post("/v1/fine_tuning/jobs", json=body, headers={"Idempotency-Key": "job-1"}).json()
         assert j1["id"] == j2["id"]
-        assert len([j for j in c.get("/v1/fine_tuning/jobs", params={"limit": 100}).json()["data"] if j["id"] == j1["id"]]) == 1
-        done = wait_for(lambda: (j := c.get(f"/v1/fine_tuning/jobs/{j1['id']}").json())["status"]
-                        in ("succeeded", "failed") and j, timeout=120, what="text-only job")
+        assert (
+            len([j for j in c.get("/v1/fine_tuning/jobs", params={"limit": 100}).json()["data"] if j["id"] == j1["id"]])
+            == 1
+        )
+        done = wait_for(
+            lambda: (j := c.get(f"/v1/fine_tuning/jobs/{j1['id']}").json())["status"] in ("succeeded", "failed") and j,
+            timeout=120,
+            what="text-only job",
+        )
         assert done["status"] == "succeeded", done["error"]
 
 

@@ -1,4 +1,5 @@
 """The kiln SDK and CLI against the real server; retries against a real flaky HTTP server."""
+
 from __future__ import annotations
 
 import json
@@ -29,15 +30,19 @@ def test_sdk_full_path(client, sample, tmp_path):
     train = client.files.upload(sample / "train.jsonl", progress=lambda sent, total: seen.append((sent, total)))
     assert seen and seen[-1] == (train.bytes, train.bytes) and train.stats["examples"] == 240
     images = client.files.upload(sample / "images.zip")
-    job = client.jobs.create("kiln-tiny", train.id, images_file=images.id, hyperparameters={"n_epochs": 1},
-                             lora={"rank": 2}, suffix="sdk")
+    job = client.jobs.create(
+        "kiln-tiny", train.id, images_file=images.id, hyperparameters={"n_epochs": 1}, lora={"rank": 2}, suffix="sdk"
+    )
     events = []
     done = client.jobs.wait(job.id, on_event=events.append)
     assert done.status == "succeeded" and done.done and done.fine_tuned_model.endswith(done.id[6:18])
     steps = [e.data["step"] for e in events if e.type == "metrics"]
     assert steps == list(range(1, 31))
     history = client.jobs.events(job.id)
-    assert history[0].message.startswith("Validating training file") and history[-1].message == "The job has successfully completed"
+    assert (
+        history[0].message.startswith("Validating training file")
+        and history[-1].message == "The job has successfully completed"
+    )
     assert [c.step_number for c in client.jobs.checkpoints(job.id)] == [30]
     path = client.adapters.download(job.id, tmp_path / "a.zip")
     assert "adapter_model.safetensors" in zipfile.ZipFile(path).namelist() and not (tmp_path / "a.zip.part").exists()
@@ -50,11 +55,17 @@ def test_sdk_errors_carry_the_server_message(client, pg_stack, tmp_path):
     bad.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}\n')
     with pytest.raises(kiln.BadRequestError) as e:
         client.files.upload(bad)
-    assert e.value.status_code == 400 and e.value.issues[0] == {"line": 1, "field": "messages[1].content",
-                                                                "message": "empty assistant turn"}
+    assert e.value.status_code == 400 and e.value.issues[0] == {
+        "line": 1,
+        "field": "messages[1].content",
+        "message": "empty assistant turn",
+    }
     with pytest.raises(kiln.NotFoundError, match="No fine-tuning job found"):
         client.jobs.get("ftjob-missing")
-    with kiln.Client(pg_stack.base_url, "sk-kiln-wrong", max_retries=0) as other, pytest.raises(kiln.AuthenticationError):
+    with (
+        kiln.Client(pg_stack.base_url, "sk-kiln-wrong", max_retries=0) as other,
+        pytest.raises(kiln.AuthenticationError),
+    ):
         other.jobs.list()
 
 
@@ -73,6 +84,7 @@ def test_keys_create_list_revoke(client, pg_stack):
 
 class Flaky(BaseHTTPRequestHandler):
     """Answers 503 to the first ``fail`` requests of a path, then 200; remembers idempotency keys."""
+
     log: list = []
     fail = 2
 
@@ -118,8 +130,9 @@ def test_retries_with_backoff_keep_one_idempotency_key():
 
 def cli(pg_stack, *args, key="alice"):
     env = {**os.environ, "KILN_BASE_URL": pg_stack.base_url, "KILN_API_KEY": pg_stack.keys[key]}
-    return subprocess.run([sys.executable, "-m", "kiln.cli", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "kiln.cli", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_upload_create_watch_logs_download(pg_stack, sample, tmp_path):
@@ -127,8 +140,24 @@ def test_cli_upload_create_watch_logs_download(pg_stack, sample, tmp_path):
     assert up.returncode == 0, up.stderr
     train = json.loads(up.stdout)["id"]
     images = json.loads(cli(pg_stack, "--json", "upload", str(sample / "images.zip")).stdout)["id"]
-    run = cli(pg_stack, "--json", "create", "--model", "kiln-tiny", "--training-file", train, "--images-file", images,
-              "--epochs", "1", "--batch-size", "16", "--lora-rank", "2", "--watch")
+    run = cli(
+        pg_stack,
+        "--json",
+        "create",
+        "--model",
+        "kiln-tiny",
+        "--training-file",
+        train,
+        "--images-file",
+        images,
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--lora-rank",
+        "2",
+        "--watch",
+    )
     assert run.returncode == 0, run.stderr
     docs = [json.loads(line) for line in run.stdout.splitlines()]  # JSON Lines
     job_id, final = docs[0]["id"], docs[-1]

@@ -1,4 +1,5 @@
 """Owner isolation on every route, archive and image bombs, oversized lines, per-key rate limits."""
+
 from __future__ import annotations
 
 import io
@@ -18,8 +19,9 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 
 @pytest.fixture(scope="module")
 def stack(make_pg_stack):
-    return make_pg_stack(max_archive_unpacked_bytes=10_000_000, max_archive_members=50, max_line_bytes=4000,
-                         max_image_pixels=1_000_000)
+    return make_pg_stack(
+        max_archive_unpacked_bytes=10_000_000, max_archive_members=50, max_line_bytes=4000, max_image_pixels=1_000_000
+    )
 
 
 def upload(c, name, content):
@@ -31,15 +33,30 @@ def alices(stack):
     """One of each of alice's objects: a file, a finished job with a checkpoint, a key."""
     with stack.client() as c:
         f = upload(c, "a.jsonl", (json.dumps(GOOD) + "\n").encode() * 4).json()
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": f["id"], "suffix": "mine",
-                                                   "hyperparameters": {"max_steps": 2, "batch_size": 2}}).json()
-        job = wait_for(lambda: (j := c.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] == "succeeded" and j,
-                       what="alice's job")
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={
+                "model": "kiln-tiny",
+                "training_file": f["id"],
+                "suffix": "mine",
+                "hyperparameters": {"max_steps": 2, "batch_size": 2},
+            },
+        ).json()
+        job = wait_for(
+            lambda: (j := c.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] == "succeeded" and j,
+            what="alice's job",
+        )
         ckpt = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"][0]
         key = c.post("/v1/keys", json={"name": "second"}).json()
         spec = c.get("/openapi.json").json()
-    return {"file_id": f["id"], "job_id": job["id"], "ckpt_id": ckpt["id"], "key_id": key["id"],
-            "model_id": job["fine_tuned_model"], "spec": spec}
+    return {
+        "file_id": f["id"],
+        "job_id": job["id"],
+        "ckpt_id": ckpt["id"],
+        "key_id": key["id"],
+        "model_id": job["fine_tuned_model"],
+        "spec": spec,
+    }
 
 
 def test_every_route_hides_other_owners_objects(stack, alices):
@@ -81,7 +98,10 @@ def test_zip_bomb_and_member_count_are_refused(stack):
             zf.writestr(f"images/{i}.png", b"x")
     with stack.client() as c:
         r = upload(c, "bomb.zip", bomb.getvalue())
-        assert r.status_code == 400 and "unpacks to 30000000 bytes, over the limit of 10000000" in r.json()["error"]["message"]
+        assert (
+            r.status_code == 400
+            and "unpacks to 30000000 bytes, over the limit of 10000000" in r.json()["error"]["message"]
+        )
         r = upload(c, "many.zip", many.getvalue())
         assert r.status_code == 400 and "60 members, over the limit of 50" in r.json()["error"]["message"]
 
@@ -91,13 +111,23 @@ def test_image_decompression_bomb_is_refused(stack):
     Image.new("1", (2000, 2000)).save(buf, format="PNG")  # 4 Mpixel, a few KB on disk
     ds = io.BytesIO()
     with zipfile.ZipFile(ds, "w") as zf:
-        zf.writestr("train.jsonl", json.dumps({"images": ["big.png"], "messages": [
-            {"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}]}) + "\n")
+        zf.writestr(
+            "train.jsonl",
+            json.dumps(
+                {
+                    "images": ["big.png"],
+                    "messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}],
+                }
+            )
+            + "\n",
+        )
         zf.writestr("big.png", buf.getvalue())
     with stack.client() as c:
         r = upload(c, "big.zip", ds.getvalue())
     assert r.status_code == 400
-    assert "line 1: images[0]: image is 2000x2000 pixels, over the limit of 1000000 pixels" in r.json()["error"]["message"]
+    assert (
+        "line 1: images[0]: image is 2000x2000 pixels, over the limit of 1000000 pixels" in r.json()["error"]["message"]
+    )
 
 
 def test_oversized_json_line_is_refused(stack):

@@ -1,5 +1,6 @@
 """The monitoring page in real headless Chromium (Debian's, driven by Playwright): sign in, watch
 a job live, see the loss plot draw, download the adapter, cancel, read a validation report."""
+
 from __future__ import annotations
 
 import io
@@ -13,8 +14,16 @@ from tests.conftest import wait_for
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +54,24 @@ def page(browser, pg_stack):
 @pytest.fixture(scope="module")
 def dataset(pg_stack, sample):
     with pg_stack.client() as c:
-        up = lambda name: c.post("/v1/files", files={"file": (name, (sample / name).read_bytes())},
-                                 data={"purpose": "fine-tune"}).json()["id"]
-        return {"training_file": up("train.jsonl"), "validation_file": up("validation.jsonl"),
-                "images_file": up("images.zip")}
+        up = lambda name: c.post(
+            "/v1/files", files={"file": (name, (sample / name).read_bytes())}, data={"purpose": "fine-tune"}
+        ).json()["id"]
+        return {
+            "training_file": up("train.jsonl"),
+            "validation_file": up("validation.jsonl"),
+            "images_file": up("images.zip"),
+        }
 
 
 def blue_pixels(png: bytes) -> int:
     """Pixels of the training-loss colour (#2563eb) in a screenshot."""
     img = Image.open(io.BytesIO(png)).convert("RGB")
-    return sum(1 for r, g, b in (img.get_flattened_data() if hasattr(img, "get_flattened_data") else img.getdata()) if abs(r - 0x25) < 40 and abs(g - 0x63) < 40 and abs(b - 0xEB) < 40)
+    return sum(
+        1
+        for r, g, b in (img.get_flattened_data() if hasattr(img, "get_flattened_data") else img.getdata())
+        if abs(r - 0x25) < 40 and abs(g - 0x63) < 40 and abs(b - 0xEB) < 40
+    )
 
 
 def test_wrong_key_is_refused(browser, pg_stack):
@@ -70,8 +87,10 @@ def test_wrong_key_is_refused(browser, pg_stack):
 
 def test_watch_a_job_live_and_download_the_adapter(page, pg_stack, dataset):
     with pg_stack.client() as c:
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset, "hyperparameters": {
-            "n_epochs": 2, "batch_size": 8}}).json()
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={"model": "kiln-tiny", **dataset, "hyperparameters": {"n_epochs": 2, "batch_size": 8}},
+        ).json()
     page.reload()
     page.wait_for_selector(f"tr[data-job='{job['id']}']")
     page.click(f"tr[data-job='{job['id']}']")
@@ -102,8 +121,10 @@ def test_watch_a_job_live_and_download_the_adapter(page, pg_stack, dataset):
 
 def test_cancel_from_the_page(page, pg_stack, dataset):
     with pg_stack.client() as c:
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset, "hyperparameters": {
-            "n_epochs": 30, "batch_size": 4}}).json()
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={"model": "kiln-tiny", **dataset, "hyperparameters": {"n_epochs": 30, "batch_size": 4}},
+        ).json()
     page.goto(f"{pg_stack.base_url}/ui/#/jobs/{job['id']}")
     page.wait_for_function("Number(document.getElementById('loss-plot').dataset.points) >= 2", timeout=120_000)
     page.click("#cancel")
@@ -117,14 +138,18 @@ def test_dataset_validation_report(page, tmp_path):
     page.click("nav a[href='#/files']")
     page.wait_for_selector("#files:not([hidden])")
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
-                   '{"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": ""}]}\n')
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+        '{"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": ""}]}\n'
+    )
     page.set_input_files("#upload-file", str(bad))
     page.click("#upload-form button")
     page.wait_for_selector("#report.bad")
     issues = page.locator("#report-issues li").all_text_contents()
-    assert issues == ["line 2: messages[0].role: unknown role 'robot'; expected one of system, user, assistant",
-                      "line 2: messages[1].content: empty assistant turn"]
+    assert issues == [
+        "line 2: messages[0].role: unknown role 'robot'; expected one of system, user, assistant",
+        "line 2: messages[1].content: empty assistant turn",
+    ]
     assert "nothing was stored" in page.text_content("#report-title")
     good = tmp_path / "good.jsonl"
     good.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n')

@@ -1,5 +1,6 @@
 """Workers die, messages arrive twice, users cancel: the job still trains exactly once and
 resumes from its last checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ from tests.conftest import all_events, finished, wait_for
 @pytest.fixture(scope="module")
 def dataset(pg_stack, sample):
     with pg_stack.client() as c:
-        up = lambda name: c.post("/v1/files", files={"file": (name, (sample / name).read_bytes())},
-                                 data={"purpose": "fine-tune"}).json()["id"]
+        up = lambda name: c.post(
+            "/v1/files", files={"file": (name, (sample / name).read_bytes())}, data={"purpose": "fine-tune"}
+        ).json()["id"]
         return {"training_file": up("train.jsonl"), "images_file": up("images.zip")}
 
 
@@ -25,10 +27,20 @@ def status(c, job_id):
 
 def test_killed_worker_job_resumes_from_checkpoint(pg_stack, dataset):
     with pg_stack.client() as c:
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset, "seed": 3, "hyperparameters": {
-            "n_epochs": 3, "batch_size": 4, "checkpoint_interval": 10}}).json()
-        ckpts = wait_for(lambda: c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"],
-                         interval=0.1, what="first checkpoint")
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={
+                "model": "kiln-tiny",
+                **dataset,
+                "seed": 3,
+                "hyperparameters": {"n_epochs": 3, "batch_size": 4, "checkpoint_interval": 10},
+            },
+        ).json()
+        ckpts = wait_for(
+            lambda: c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"],
+            interval=0.1,
+            what="first checkpoint",
+        )
         pg_stack.kill_worker(pg_stack.workers[0])  # SIGKILL: no clean-up, no ack
         killed_at = max(c["step_number"] for c in ckpts)
         assert status(c, job["id"])["status"] == "running"
@@ -50,8 +62,10 @@ def test_duplicate_delivery_trains_once(pg_stack, dataset):
     celery = make_celery(Settings(broker_url=pg_stack.env["KILN_BROKER_URL"], queue=pg_stack.env["KILN_QUEUE"]))
     pg_stack.start_worker()  # two workers now compete for the same messages
     with pg_stack.client() as c:
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset, "hyperparameters": {
-            "n_epochs": 1, "batch_size": 4}}).json()
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={"model": "kiln-tiny", **dataset, "hyperparameters": {"n_epochs": 1, "batch_size": 4}},
+        ).json()
         for _ in range(3):
             celery.send_task(RUN_TASK, args=[job["id"]], queue=pg_stack.env["KILN_QUEUE"])
         done = finished(c, job["id"])
@@ -64,8 +78,10 @@ def test_duplicate_delivery_trains_once(pg_stack, dataset):
 
 def test_cancel_stops_a_running_job_between_steps(pg_stack, dataset):
     with pg_stack.client() as c:
-        job = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset, "hyperparameters": {
-            "n_epochs": 20, "batch_size": 4}}).json()
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={"model": "kiln-tiny", **dataset, "hyperparameters": {"n_epochs": 20, "batch_size": 4}},
+        ).json()
         wait_for(lambda: any(e["type"] == "metrics" for e in all_events(c, job["id"])), what="training to start")
         r = c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel")
         assert r.status_code == 200 and r.json()["cancel_requested"]
@@ -86,8 +102,10 @@ def test_cancel_queued_job_never_trains(pg_stack, dataset):
         cancelled = c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel").json()
         assert cancelled["status"] == "cancelled"
         pg_stack.start_worker()
-        other = c.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", **dataset, "hyperparameters": {
-            "n_epochs": 1, "batch_size": 16}}).json()
+        other = c.post(
+            "/v1/fine_tuning/jobs",
+            json={"model": "kiln-tiny", **dataset, "hyperparameters": {"n_epochs": 1, "batch_size": 16}},
+        ).json()
         wait_for(lambda: status(c, other["id"])["status"] == "succeeded", timeout=180, what="the next job")
         assert status(c, job["id"])["status"] == "cancelled"
         assert not [e for e in all_events(c, job["id"]) if e["type"] == "metrics"]
@@ -97,8 +115,11 @@ def test_dataset_corrupted_on_disk_fails_the_job_naming_line_and_field(pg_stack)
     """The engine checks what it reads again: a stored dataset damaged after the job was
     accepted fails the job with the line and field, not a crash."""
     import hashlib
-    rows = [{"messages": [{"role": "user", "content": f"q{i} corrupt-test"}, {"role": "assistant", "content": "a"}]}
-            for i in range(6)]
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"q{i} corrupt-test"}, {"role": "assistant", "content": "a"}]}
+        for i in range(6)
+    ]
     content = "\n".join(json.dumps(r) for r in rows).encode() + b"\n"
     for w in list(pg_stack.workers):
         if w.poll() is None:

@@ -3,6 +3,7 @@ form the CPU trains with against the masked definition (float64), forward and th
 q, k and v, fp32 and bf16, with empty and one-token documents and documents whose queries are
 only the last of their keys (context parallel); the mask itself against a token-by-token rule;
 and the models' packed rows against each document alone."""
+
 from __future__ import annotations
 
 import pytest
@@ -74,11 +75,14 @@ def test_a_change_in_one_document_moves_nothing_in_another():
     assert torch.equal(before[:11], after[:11]) and not torch.allclose(before[11:], after[11:])
 
 
-@pytest.mark.parametrize("cu_q,cu_k,why", [
-    ([0, 4, 3], None, "document 1: -1 queries"),
-    ([0, 2, 5], [0, 5], "as many each"),
-    ([0, 3, 6], [0, 2, 6], "document 0: 3 queries and 2 keys"),
-])
+@pytest.mark.parametrize(
+    "cu_q,cu_k,why",
+    [
+        ([0, 4, 3], None, "document 1: -1 queries"),
+        ([0, 2, 5], [0, 5], "as many each"),
+        ([0, 3, 6], [0, 2, 6], "document 0: 3 queries and 2 keys"),
+    ],
+)
 def test_bad_offsets_are_an_error(cu_q, cu_k, why):
     T, S = cu_q[-1], (cu_k or cu_q)[-1]
     q, k, v, _ = inputs(T, max(S, 1), 1, 4, 4, torch.float32, 0)

@@ -1,4 +1,5 @@
 """Attention Residuals: the depth softmax, its gradients, and the block bookkeeping."""
+
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,11 @@ from kiln_kernels.attnres import depth_attention
 
 def test_depth_attention_is_a_softmax_over_rms_normalised_sources():
     g = torch.Generator().manual_seed(0)
-    v = torch.randn(5, 2, 7, 16, generator=g, dtype=torch.float64) * torch.rand(5, 1, 1, 1, generator=g, dtype=torch.float64) * 3
+    v = (
+        torch.randn(5, 2, 7, 16, generator=g, dtype=torch.float64)
+        * torch.rand(5, 1, 1, 1, generator=g, dtype=torch.float64)
+        * 3
+    )
     w = torch.randn(16, generator=g, dtype=torch.float64)
     out = depth_attention(v, w)
     for b in range(2):
@@ -21,7 +26,9 @@ def test_depth_attention_is_a_softmax_over_rms_normalised_sources():
     # the keys are scale-free: scaling a source changes its value, not its weight
     scaled = v.clone()
     scaled[2] *= 10
-    alpha_w = lambda s: torch.softmax(torch.einsum("lbtd,d->lbt", s / s.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt(), w), 0)
+    alpha_w = lambda s: torch.softmax(
+        torch.einsum("lbtd,d->lbt", s / s.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt(), w), 0
+    )
     assert torch.allclose(alpha_w(v), alpha_w(scaled), atol=1e-6)
 
 

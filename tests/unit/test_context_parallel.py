@@ -3,6 +3,7 @@
 whose sequences are split over 2 and 4 ranks (documents crossing every slice boundary, KDA's
 state and convolution and MLA's keys passed between ranks) gives the loss, the counts and the
 LoRA gradients of one process; with Swap Core's recompute too; and the slicing itself."""
+
 from __future__ import annotations
 
 import subprocess
@@ -18,9 +19,19 @@ from tests.unit.test_parallel import ROOT, env
 
 def run(tmp_path, world: int, *args: str) -> dict:
     out = tmp_path / f"step-{world}-{'-'.join(args)}.pt"
-    cmd = ([sys.executable, "-m", "tests.context_worker", "--world", "1"] if world == 1 else
-           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            "-m", "tests.context_worker"]) + [*args, "--out", str(out)]
+    cmd = (
+        [sys.executable, "-m", "tests.context_worker", "--world", "1"]
+        if world == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            "-m",
+            "tests.context_worker",
+        ]
+    ) + [*args, "--out", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return torch.load(out)
@@ -50,8 +61,15 @@ def two_groups(tmp_path_factory):
     return run(tmp_path_factory.mktemp("dp"), 2, "--cp", "1")
 
 
-@pytest.mark.parametrize("world,args", [(2, ("--cp", "2")), (4, ("--cp", "4")), (4, ("--cp", "2", "--ep", "2")),
-                                        (2, ("--cp", "2", "--memory", "selective"))])
+@pytest.mark.parametrize(
+    "world,args",
+    [
+        (2, ("--cp", "2")),
+        (4, ("--cp", "4")),
+        (4, ("--cp", "2", "--ep", "2")),
+        (2, ("--cp", "2", "--memory", "selective")),
+    ],
+)
 def test_a_split_sequence_trains_as_one_process(tmp_path, one, two_groups, world, args):
     """Against one process; at 4 ranks with cp 2 against the same two data groups without
     context parallel (two groups pack their micro-batches apart: the MoE's routing of a few
@@ -71,8 +89,13 @@ def test_a_split_sequence_trains_as_one_process(tmp_path, one, two_groups, world
 def test_split_cuts_the_rows_laid_end_to_end_into_equal_slices_with_labels_one_past():
     ids = torch.arange(1, 21).view(2, 10)
     docs = torch.tensor([[0] * 6 + [1] * 4, [0] * 7 + [-1] * 3])
-    batch = {"input_ids_BT": ids, "labels_BT": ids * 10, "doc_ids_BT": docs, "positions_BT": None,
-             "pixels_NCHW": torch.zeros(0, 3, 8, 8)}
+    batch = {
+        "input_ids_BT": ids,
+        "labels_BT": ids * 10,
+        "doc_ids_BT": docs,
+        "positions_BT": None,
+        "pixels_NCHW": torch.zeros(0, 3, 8, 8),
+    }
     parts = [split(batch, 0, None, r, 3) for r in range(3)]
     got_ids = torch.cat([p["input_ids_BT"] for p, _ in parts], 1)[0]
     assert got_ids.tolist() == list(range(1, 21)) + [0]  # 20 tokens, one pad: 3 slices of 7
@@ -81,7 +104,7 @@ def test_split_cuts_the_rows_laid_end_to_end_into_equal_slices_with_labels_one_p
     for r, (p, shard) in enumerate(parts):
         s = 7 * r
         assert (shard.start, shard.end) == (s, s + 7)
-        assert torch.equal(p["labels_BT"][0], labels[s:s + 8])  # one past the slice
+        assert torch.equal(p["labels_BT"][0], labels[s : s + 8])  # one past the slice
     docs_all = parts[0][1].docs
     assert len(set(docs_all[:6].tolist())) == 1 and docs_all[5] != docs_all[6]  # row 0's two documents
     assert docs_all[10] != docs_all[9] and docs_all[17] != docs_all[16]  # rows and the pad run apart
@@ -100,17 +123,27 @@ def test_a_job_through_engine_cli_on_two_ranks_sharing_each_sequence_trains_as_o
 
     def chat(n: int, i: int) -> str:
         text = " ".join(f"t{(i * 7 + j) % 53}" for j in range(n // 4))
-        return json.dumps({"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text[:n // 3]}]})
+        return json.dumps(
+            {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text[: n // 3]}]}
+        )
 
     data = tmp_path / "long.jsonl"
     data.write_text("\n".join(chat(n, i) for i, n in enumerate([900, 700, 1200, 500])) + "\n")
     adapters, lines = [], []
     for name, parallel in (("one", ""), ("cp", "parallel: {nproc: 2, cp_size: 2}\n")):
         cfg = tmp_path / f"{name}.yaml"
-        cfg.write_text(f"model: kimi-linear-tiny\ntraining_file: {data}\nbatch_size: 2\nn_epochs: 2\nseed: 4\n"
-                       f"lora: {{rank: 4, alpha: 8}}\n{parallel}")
-        out = subprocess.run([sys.executable, "-m", "engine.cli", "train", str(cfg), "--store", str(tmp_path / name)],
-                             cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+        cfg.write_text(
+            f"model: kimi-linear-tiny\ntraining_file: {data}\nbatch_size: 2\nn_epochs: 2\nseed: 4\n"
+            f"lora: {{rank: 4, alpha: 8}}\n{parallel}"
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "engine.cli", "train", str(cfg), "--store", str(tmp_path / name)],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         lines.append([l.rsplit(" ", 2)[0] for l in out.stdout.splitlines() if l.startswith("step ")])  # no tok/s
         adapter = out.stdout.strip().splitlines()[-1].removeprefix("adapter: ")

@@ -1,5 +1,6 @@
 """Convergence in miniature: from random init, full training brings the loss from about
 ln(vocab) to under 15% of it within 400 steps on the sample data."""
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,18 @@ SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 def test_from_random_init_loss_falls_under_15_percent_of_ln_vocab(tmp_path):
     store = LocalStore(tmp_path)
     rec = RecordingReporter()
-    spec = JobSpec(job_id="converge", model="kiln-tiny", training_file=str(SAMPLE / "train.jsonl"),
-                   images_file=str(SAMPLE / "images.zip"), training="full", n_epochs=14, batch_size=8,
-                   max_steps=400, checkpoint_interval=400, seed=0)
+    spec = JobSpec(
+        job_id="converge",
+        model="kiln-tiny",
+        training_file=str(SAMPLE / "train.jsonl"),
+        images_file=str(SAMPLE / "images.zip"),
+        training="full",
+        n_epochs=14,
+        batch_size=8,
+        max_steps=400,
+        checkpoint_interval=400,
+        seed=0,
+    )
     result = engine.train(spec, store, rec)
     ln_v = math.log(ByteTokenizer.vocab_size)
     first = rec.losses[1]

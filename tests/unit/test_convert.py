@@ -1,6 +1,7 @@
 """Checkpoint conversion: MXFP4 decoding against its bit-level definition, the streaming
 MXFP4 -> BF16 converter on a sharded checkpoint, and safetensors -> DCP laid out for FSDP
 shards and an EP size, loaded by a real 2-process run that builds the model on the meta device."""
+
 from __future__ import annotations
 
 import json
@@ -23,15 +24,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_dequantize_equals_the_bit_level_definition():
     g = torch.Generator().manual_seed(0)
-    packed = torch.cat([torch.arange(256, dtype=torch.uint8).reshape(8, 32),  # every byte value
-                        torch.randint(0, 256, (5, 32), generator=g, dtype=torch.uint8)])
+    packed = torch.cat(
+        [
+            torch.arange(256, dtype=torch.uint8).reshape(8, 32),  # every byte value
+            torch.randint(0, 256, (5, 32), generator=g, dtype=torch.uint8),
+        ]
+    )
     scale = torch.randint(90, 160, (13, 2), generator=g, dtype=torch.uint8)
     scale[0, 0], scale[1, 1] = 0, 190  # the smallest exponent (subnormal in fp32) and a large one
     want = decode_reference(packed, scale)
     assert torch.equal(dequantize(packed, scale, torch.float32).double(), want)
     assert torch.equal(dequantize(packed, scale).double(), want.to(torch.bfloat16).double())
     row = dequantize(packed[0:1], scale[0:1], torch.float32)[0]  # byte 1 = 0x01: its low nibble is element 2
-    assert row[2] == 0.5 * 2.0 ** -127 and row[3] == 0
+    assert row[2] == 0.5 * 2.0**-127 and row[3] == 0
     batch = dequantize(packed.reshape(13, 1, 32), scale.reshape(13, 1, 2), torch.float32)  # leading dims kept
     assert torch.equal(batch.reshape(13, 64).double(), want)
     with pytest.raises(ValueError, match="shapes do not match"):
@@ -55,7 +60,9 @@ def mxfp4_checkpoint(folder: Path) -> Path:
     out = {}
     for k, v in load_file(str(plain / "model.safetensors")).items():
         if ".experts." in k:
-            out[k.removesuffix(".weight") + ".weight_packed"], out[k.removesuffix(".weight") + ".weight_scale"] = quantize(v)
+            out[k.removesuffix(".weight") + ".weight_packed"], out[k.removesuffix(".weight") + ".weight_scale"] = (
+                quantize(v)
+            )
         else:
             out[k] = v
     q = folder / "mxfp4"
@@ -104,8 +111,20 @@ def test_layout_cuts_like_fsdp_and_expert_parallel():
 def test_mxfp4_checkpoint_to_dcp_loads_sharded_on_the_meta_device(tmp_path):
     src = mxfp4_checkpoint(tmp_path)
     to_bf16(src, tmp_path / "bf16", workers=1)
-    cmd = [sys.executable, "-m", "engine.tools.convert", "dcp", str(src), str(tmp_path / "dcp"),
-           "--fsdp-shards", "4", "--ep-size", "2", "--workers", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.tools.convert",
+        "dcp",
+        str(src),
+        str(tmp_path / "dcp"),
+        "--fsdp-shards",
+        "4",
+        "--ep-size",
+        "2",
+        "--workers",
+        "2",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "shards" in done.stdout
@@ -116,10 +135,21 @@ def test_mxfp4_checkpoint_to_dcp_loads_sharded_on_the_meta_device(tmp_path):
     assert tuple(experts.size) == (8, 128, 128) and [c.offsets[0] for c in experts.chunks] == [0, 2, 4, 6]
     head = md["model.lm_head.weight"]  # vocab rows in 4 as torch.chunk cuts them
     step = -(-head.size[0] // 4)
-    assert [(c.offsets[0], c.sizes[0]) for c in head.chunks] == [(i * step, min(step, head.size[0] - i * step)) for i in range(4)]
+    assert [(c.offsets[0], c.sizes[0]) for c in head.chunks] == [
+        (i * step, min(step, head.size[0] - i * step)) for i in range(4)
+    ]
     # a run of another shape (2 processes, EP 2) builds the model on the meta device and loads its pieces
-    torchrun(2, "--ep", "2", "--out", str(tmp_path / "got.pt"), "--load", str(tmp_path / "dcp"),
-             "--meta", str(tmp_path / "bf16"))
+    torchrun(
+        2,
+        "--ep",
+        "2",
+        "--out",
+        str(tmp_path / "got.pt"),
+        "--load",
+        str(tmp_path / "dcp"),
+        "--meta",
+        str(tmp_path / "bf16"),
+    )
     got = torch.load(tmp_path / "got.pt")
     want = load_base(tmp_path / "bf16")
     assert set(got["params"]) == {n for n, _ in want.named_parameters()}

@@ -1,5 +1,6 @@
 """The data pipeline: packing is exact, indexing streams, images decode once, batches and
 splits are deterministic."""
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,9 @@ TPL = chat_template(TOK)
 
 
 def dataset(tmp_path, path=SAMPLE / "train.jsonl", max_len=2048, **kw) -> Dataset:
-    return Dataset(path, SAMPLE / "images.zip", TOK, TPL, 32, 16, LengthBound("kiln-tiny", 2048, max_len), tmp_path, **kw)
+    return Dataset(
+        path, SAMPLE / "images.zip", TOK, TPL, 32, 16, LengthBound("kiln-tiny", 2048, max_len), tmp_path, **kw
+    )
 
 
 def test_a_packed_row_computes_what_its_examples_compute_alone(tmp_path):
@@ -34,11 +37,13 @@ def test_a_packed_row_computes_what_its_examples_compute_alone(tmp_path):
     packed = collate(samples, TPL.pad_id, pack_to=400)
     assert packed["input_ids_BT"].shape[0] == 1 and packed["doc_ids_BT"].max() == 5
     with torch.no_grad():
-        out = model(packed["input_ids_BT"], packed["pixels_NCHW"].double(), packed["doc_ids_BT"], packed["positions_BT"])
+        out = model(
+            packed["input_ids_BT"], packed["pixels_NCHW"].double(), packed["doc_ids_BT"], packed["positions_BT"]
+        )
         at = 0
         for s in samples:
             alone = model(s.input_ids_T[None], s.pixels_NCHW.double())
-            rel = (out[0, at:at + len(s)] - alone[0]).norm() / alone.norm()
+            rel = (out[0, at : at + len(s)] - alone[0]).norm() / alone.norm()
             assert rel < 1e-12, rel
             at += len(s)
     assert packed["labels_BT"].ne(-100).sum() == sum(s.labels_T.ne(-100).sum() for s in samples)
@@ -79,8 +84,12 @@ def test_indexing_streams_a_large_file_in_little_memory(tmp_path):
 
 
 def test_each_image_is_decoded_once(tmp_path):
-    line = json.dumps({"images": ["images/train_0000.png"], "messages": [
-        {"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}]})
+    line = json.dumps(
+        {
+            "images": ["images/train_0000.png"],
+            "messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}],
+        }
+    )
     f = tmp_path / "same.jsonl"
     f.write_text((line + "\n") * 20)
     cache = ImageCache(32)
@@ -116,7 +125,14 @@ def test_too_long_or_missing_image_names_the_line(tmp_path):
     with pytest.raises(DatasetError, match=r"line 1: messages: example is \d+ tokens, over max_seq_len 30"):
         dataset(tmp_path, max_len=30)
     f = tmp_path / "missing.jsonl"
-    f.write_text(json.dumps({"images": ["images/nope.png"], "messages": [
-        {"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}]}) + "\n")
+    f.write_text(
+        json.dumps(
+            {
+                "images": ["images/nope.png"],
+                "messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "a"}],
+            }
+        )
+        + "\n"
+    )
     with pytest.raises(DatasetError, match=r"line 1: images\[0\]: image 'images/nope.png' not found"):
         dataset(tmp_path, f)

@@ -18,30 +18,54 @@ def png() -> bytes:
 
 def test_three_forms_normalise_to_the_same_example():
     url = "data:image/png;base64," + base64.b64encode(png()).decode()
-    llama_factory = {"images": [url], "messages": [{"role": "user", "content": "<image>\nHow many?"},
-                                                    {"role": "assistant", "content": "1"}]}
-    openai_parts = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                               {"type": "text", "text": "\nHow many?"}]},
-                                 {"role": "assistant", "content": "1"}]}
+    llama_factory = {
+        "images": [url],
+        "messages": [{"role": "user", "content": "<image>\nHow many?"}, {"role": "assistant", "content": "1"}],
+    }
+    openai_parts = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "\nHow many?"}],
+            },
+            {"role": "assistant", "content": "1"},
+        ]
+    }
     a, issues_a = parse_line(1, json.dumps(llama_factory))
     b, issues_b = parse_line(1, json.dumps(openai_parts))
     assert not issues_a and not issues_b
     assert a == b and a.images == [url] and a.messages[0].content == "<image>\nHow many?"
-    text, issues = parse_line(3, json.dumps({"messages": [{"role": "system", "content": "be brief"},
-                                                          {"role": "user", "content": "hi"},
-                                                          {"role": "assistant", "content": "hey", "weight": 0},
-                                                          {"role": "assistant", "content": "hello"}]}))
+    text, issues = parse_line(
+        3,
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hey", "weight": 0},
+                    {"role": "assistant", "content": "hello"},
+                ]
+            }
+        ),
+    )
     assert not issues and [m.weight for m in text.messages] == [1, 1, 0, 1] and text.images == []
 
 
 def test_every_problem_of_a_line_is_reported_with_its_field():
-    line = {"images": ["/abs.png"], "messages": [{"role": "robot", "content": 5},
-                                                 {"role": "assistant", "content": "<image>", "weight": 2}]}
+    line = {
+        "images": ["/abs.png"],
+        "messages": [{"role": "robot", "content": 5}, {"role": "assistant", "content": "<image>", "weight": 2}],
+    }
     ex, issues = parse_line(7, json.dumps(line))
     assert ex is None
     got = {(i.line, i.field) for i in issues}
-    assert {(7, "messages[0].role"), (7, "messages[0].content"), (7, "messages[1].weight"),
-            (7, "messages[1].content"), (7, "images[0]")} <= got
+    assert {
+        (7, "messages[0].role"),
+        (7, "messages[0].content"),
+        (7, "messages[1].weight"),
+        (7, "messages[1].content"),
+        (7, "images[0]"),
+    } <= got
     assert str(issues[0]).startswith("line 7: messages[0].role: unknown role 'robot'")
 
 
@@ -57,8 +81,12 @@ def test_validate_counts_and_limits():
 
 
 def test_images_resolve_in_archive_and_in_a_zipped_folder(tmp_path):
-    line = json.dumps({"images": ["images/a.png"], "messages": [{"role": "user", "content": "<image>"},
-                                                                {"role": "assistant", "content": "red"}]})
+    line = json.dumps(
+        {
+            "images": ["images/a.png"],
+            "messages": [{"role": "user", "content": "<image>"}, {"role": "assistant", "content": "red"}],
+        }
+    )
     ds = tmp_path / "ds.zip"
     with zipfile.ZipFile(ds, "w") as zf:
         zf.writestr("set/train.jsonl", line + "\n")
@@ -84,4 +112,6 @@ def test_an_oversized_line_is_never_held_whole(tmp_path):
     lines = list(DatasetSource(path).lines(max_line_bytes=1000))
     assert [len(x) for x in lines] == [len(good) + 1, 1001, len(good) + 1]
     report = validate(lines, max_line_bytes=1000)
-    assert report.examples == 2 and [(i.line, i.message) for i in report.issues] == [(2, "line is over the limit of 1000 bytes")]
+    assert report.examples == 2 and [(i.line, i.message) for i in report.issues] == [
+        (2, "line is over the limit of 1000 bytes")
+    ]

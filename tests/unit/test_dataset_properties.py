@@ -1,4 +1,5 @@
 """Hypothesis: the line parser never crashes, always names a line, and keeps its invariants."""
+
 from __future__ import annotations
 
 import json
@@ -11,11 +12,14 @@ from kiln.dataset import IMAGE_TOKEN, parse_line, validate
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=20)
+    max_leaves=20,
+)
 roles = st.sampled_from(["system", "user", "assistant", "bot", "", None, 3])
 message = st.fixed_dictionaries({"role": roles, "content": st.text(max_size=30) | st.just(IMAGE_TOKEN) | json_values})
-line = st.fixed_dictionaries({"messages": st.lists(message, max_size=5)},
-                             optional={"images": st.lists(st.text(max_size=12) | json_values, max_size=3)})
+line = st.fixed_dictionaries(
+    {"messages": st.lists(message, max_size=5)},
+    optional={"images": st.lists(st.text(max_size=12) | json_values, max_size=3)},
+)
 
 
 @settings(max_examples=400, deadline=None)
@@ -39,13 +43,20 @@ def test_validate_survives_arbitrary_bytes(lines):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20).filter(str.strip)),
-                min_size=1, max_size=4))
+@given(
+    st.lists(
+        st.tuples(st.text(min_size=1, max_size=20), st.text(min_size=1, max_size=20).filter(str.strip)),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_valid_chats_always_parse(turns):
     msgs = []
     for q, a in turns:
-        msgs += [{"role": "user", "content": q.replace(IMAGE_TOKEN, "")},
-                 {"role": "assistant", "content": a.replace(IMAGE_TOKEN, "") or "x"}]
+        msgs += [
+            {"role": "user", "content": q.replace(IMAGE_TOKEN, "")},
+            {"role": "assistant", "content": a.replace(IMAGE_TOKEN, "") or "x"},
+        ]
     ex, issues = parse_line(1, json.dumps({"messages": msgs}))
     if any(not m["content"].strip() for m in msgs if m["role"] == "assistant"):
         assert issues

@@ -1,5 +1,6 @@
 """Gated DSA: parity with transformers' DeepSeek V3.2 attention, top-k >= length is dense
 causal attention, documents stay apart, and the indexer learns from its KL loss only."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,17 @@ import torch.nn.functional as F
 from engine.model.common.dsa import GatedDSAttention
 from kiln_kernels.dsa import indexer_kl_loss, indexer_scores, indexer_topk, sparse_attention
 
-DIMS = dict(hidden=64, heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope=16, qk_rope=8, v_dim=16,
-            index_heads=3, index_head_dim=16)
+DIMS = dict(
+    hidden=64,
+    heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope=16,
+    qk_rope=8,
+    v_dim=16,
+    index_heads=3,
+    index_head_dim=16,
+)
 
 
 def module(topk, gated=True, seed=0, dtype=torch.float64, **dims):
@@ -31,9 +41,22 @@ def test_parity_with_transformers_deepseek_v32_attention():
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention, DeepseekV32RotaryEmbedding
 
     cfg = transformers.DeepseekV32Config(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=5,
-        vocab_size=100, num_hidden_layers=1, intermediate_size=64, moe_intermediate_size=32)
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=5,
+        vocab_size=100,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+    )
     cfg._attn_implementation = "eager"
     theirs = DeepseekV32Attention(cfg, 0).eval()
     # 16 index heads: a key scores exactly 0 (all ReLUs off) with odds 2^-16, so no ties, whose
@@ -78,11 +101,11 @@ def test_topk_and_scores_respect_the_mask():
     count = torch.tensor([1, 2, 3, 4, 4, 1, 2, 3, 4, 4, 4, 4])
     assert idx.shape == (1, T, 4) and ((idx >= 0).sum(-1)[0] == count).all()
     for t in range(T):
-        chosen = idx[0, t, :count[t]]
-        assert (chosen.diff() < 0).all() and ((idx[0, t, count[t]:]) == -1).all()  # descending, then -1
+        chosen = idx[0, t, : count[t]]
+        assert (chosen.diff() < 0).all() and ((idx[0, t, count[t] :]) == -1).all()  # descending, then -1
         assert allowed[0, t, chosen].all()
         assert s[0, t, chosen].min() >= s[0, t][allowed[0, t]].topk(int(count[t])).values.min()  # the best ones
-    want = (w[..., None] * F.relu(torch.einsum("btjd,bsd->btjs", q, k) * D ** -0.5)).sum(2)
+    want = (w[..., None] * F.relu(torch.einsum("btjd,bsd->btjs", q, k) * D**-0.5)).sum(2)
     assert torch.allclose(s[0][allowed[0]], want[0][allowed[0]])
 
 
@@ -97,11 +120,22 @@ def test_grouped_keys_are_the_same_as_repeated_heads():
     """G key heads shared by H / G query heads each equal H plain heads with repeated keys."""
     g = torch.Generator().manual_seed(1)
     B, T, H, G, D, E = 2, 10, 6, 2, 8, 5
-    q, k, v = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, G, D, generator=g), torch.randn(B, T, G, E, generator=g)
-    idx = indexer_topk(torch.randn(B, T, 2, 4, generator=g), torch.randn(B, T, 4, generator=g),
-                       torch.randn(B, T, 2, generator=g), torch.zeros(B, T, dtype=torch.long), 4)
+    q, k, v = (
+        torch.randn(B, T, H, D, generator=g),
+        torch.randn(B, T, G, D, generator=g),
+        torch.randn(B, T, G, E, generator=g),
+    )
+    idx = indexer_topk(
+        torch.randn(B, T, 2, 4, generator=g),
+        torch.randn(B, T, 4, generator=g),
+        torch.randn(B, T, 2, generator=g),
+        torch.zeros(B, T, dtype=torch.long),
+        4,
+    )
     o, p = sparse_attention(q, k, v, idx, 0.3, with_weights=True)
-    full, p_full = sparse_attention(q, k.repeat_interleave(3, 2), v.repeat_interleave(3, 2), idx, 0.3, with_weights=True)
+    full, p_full = sparse_attention(
+        q, k.repeat_interleave(3, 2), v.repeat_interleave(3, 2), idx, 0.3, with_weights=True
+    )
     assert rel(o, full) < 1e-6 and rel(p, p_full) < 1e-6
     assert torch.allclose(p.sum(-1), torch.ones(B, T)) and (p[idx < 0] == 0).all()
 
@@ -145,7 +179,11 @@ def test_indexer_learns_only_from_its_loss():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.indexer.parameters())
     assert x.grad is None or float(x.grad.abs().sum()) == 0.0  # and it does not reach the model
     # zero where the target is the indexer's own softmax
-    q, k, w = torch.randn(1, 5, 2, 4, dtype=torch.float64), torch.randn(1, 5, 4, dtype=torch.float64), torch.rand(1, 5, 2, dtype=torch.float64)
+    q, k, w = (
+        torch.randn(1, 5, 2, 4, dtype=torch.float64),
+        torch.randn(1, 5, 4, dtype=torch.float64),
+        torch.rand(1, 5, 2, dtype=torch.float64),
+    )
     starts = torch.zeros(1, 5, dtype=torch.long)
     idx = indexer_topk(q, k, w, starts, 3)
     s = indexer_scores(q, k, w, starts).gather(-1, idx.clamp_min(0).long()).masked_fill(idx < 0, float("-inf"))
@@ -159,11 +197,30 @@ def test_deepseek_v32_checkpoint_logits_match_transformers(tmp_path):
     from engine.model.deepseek_v32 import load_deepseek_v32
 
     cfg = transformers.DeepseekV32Config(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_n_heads=16, index_head_dim=16, index_topk=6,
-        vocab_size=200, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-        routed_scaling_factor=2.5, pad_token_id=0)
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=6,
+        vocab_size=200,
+        num_hidden_layers=3,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     ref = transformers.DeepseekV32ForCausalLM(cfg).eval()
     with torch.no_grad():

@@ -1,4 +1,5 @@
 """The interim engine: real training on kiln-tiny, exact resume, LoRA in PEFT's layout."""
+
 from __future__ import annotations
 
 import json
@@ -25,15 +26,25 @@ def Recorder(stop_after: int | None = None) -> RecordingReporter:
 
 
 def spec(**kw) -> JobSpec:
-    base = dict(job_id="ftjob-unit", model="kiln-tiny", training_file=str(SAMPLE / "train.jsonl"),
-                images_file=str(SAMPLE / "images.zip"), n_epochs=1, batch_size=8, seed=11,
-                checkpoint_interval=10, lora=LoraSpec(rank=4, alpha=8, dropout=0.1))
+    base = dict(
+        job_id="ftjob-unit",
+        model="kiln-tiny",
+        training_file=str(SAMPLE / "train.jsonl"),
+        images_file=str(SAMPLE / "images.zip"),
+        n_epochs=1,
+        batch_size=8,
+        seed=11,
+        checkpoint_interval=10,
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.1),
+    )
     return JobSpec(**{**base, **kw})
 
 
 def test_spec_round_trips_through_json():
-    s = spec(resume_from="jobs/x/checkpoints/step-0000010",
-             memory=MemorySpec(recompute="selective", tier="auto", device_budget_mb=512.0, quantize="int8"))
+    s = spec(
+        resume_from="jobs/x/checkpoints/step-0000010",
+        memory=MemorySpec(recompute="selective", tier="auto", device_budget_mb=512.0, quantize="int8"),
+    )
     assert JobSpec.from_json(s.to_json()) == s
 
 
@@ -57,8 +68,12 @@ def test_lora_freezes_the_base_and_exports_peft_keys(tmp_path):
     init_weights(model, 0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     wrapped = apply_lora(model, LoraSpec(rank=2, alpha=4, target_modules=["q_proj", "down_proj"]))
-    assert wrapped == ["model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
-                       "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    assert wrapped == [
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.1.mlp.down_proj",
+    ]
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert all(".lora_A." in n or ".lora_B." in n for n in trainable) and len(trainable) == 8
     ids = torch.randint(0, 256, (2, 9))
@@ -72,8 +87,10 @@ def test_lora_freezes_the_base_and_exports_peft_keys(tmp_path):
     keys = set(lora_state(model))
     assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in keys and len(keys) == 8
     with pytest.raises(ValueError, match="no linear layer named wq"):
-        apply_lora(TinyForCausalLM(TinyConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64)),
-                   LoraSpec(target_modules=["wq"]))
+        apply_lora(
+            TinyForCausalLM(TinyConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=64)),
+            LoraSpec(target_modules=["wq"]),
+        )
 
 
 def test_pretrained_round_trip(tmp_path):
@@ -101,8 +118,11 @@ def test_final_adapter_zip_and_example_too_long(tmp_path):
 
 def test_validation_split_holds_out_examples_and_reports_their_loss(tmp_path):
     rec = Recorder()
-    result = engine.train(spec(validation_file=None, validation_split=0.25, max_steps=10, checkpoint_interval=5),
-                          LocalStore(tmp_path), rec)
+    result = engine.train(
+        spec(validation_file=None, validation_split=0.25, max_steps=10, checkpoint_interval=5),
+        LocalStore(tmp_path),
+        rec,
+    )
     assert result.status == "succeeded"
     assert any("180 training examples" in m and "60 validation examples" in m for m in rec.messages)
     assert "valid_loss" in rec.steps[5] and "valid_loss" in rec.steps[10] and "valid_loss" not in rec.steps[4]
@@ -114,8 +134,16 @@ def test_gradient_accumulation_makes_the_same_update(tmp_path):
     for micro in (1, 4):
         store = LocalStore(tmp_path / f"m{micro}")
         rec = Recorder()
-        engine.train(spec(max_steps=2, checkpoint_interval=2, gradient_accumulation_steps=micro,
-                          lora=LoraSpec(rank=4, alpha=8, dropout=0.0)), store, rec)
+        engine.train(
+            spec(
+                max_steps=2,
+                checkpoint_interval=2,
+                gradient_accumulation_steps=micro,
+                lora=LoraSpec(rank=4, alpha=8, dropout=0.0),
+            ),
+            store,
+            rec,
+        )
         states.append((load_file(str(store.path(rec.checkpoints[-1][1]) / "adapter_model.safetensors")), rec.losses))
     (a, la), (b, lb) = states
     assert a.keys() == b.keys()
@@ -140,7 +168,9 @@ def test_a_step_with_a_non_finite_gradient_is_skipped_not_applied(tmp_path, monk
     monkeypatch.setattr(tr, "batch_loss", poisoned)
     rec = Recorder()
     store = LocalStore(tmp_path)
-    result = engine.train(spec(max_steps=6, checkpoint_interval=6, lora=LoraSpec(rank=4, alpha=8, dropout=0.0)), store, rec)
+    result = engine.train(
+        spec(max_steps=6, checkpoint_interval=6, lora=LoraSpec(rank=4, alpha=8, dropout=0.0)), store, rec
+    )
     assert result.status == "succeeded"
     assert rec.steps[6]["skipped_steps"] == 1 and rec.steps[2]["skipped_steps"] == 0
     assert any("step 3: the gradient is not finite" in m.lower() for m in rec.messages)

@@ -1,4 +1,5 @@
 """python -m engine.cli train config.yaml: a fine-tune without the server."""
+
 from __future__ import annotations
 
 import subprocess
@@ -10,16 +11,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "engine.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_train_from_a_yaml_config_then_resume(tmp_path):
     cfg = tmp_path / "job.yaml"
     sample = ROOT / "data" / "sample"
-    cfg.write_text(f"model: kiln-tiny\ntraining_file: {sample / 'train.jsonl'}\nimages_file: {sample / 'images.zip'}\n"
-                   "max_steps: 12\ncheckpoint_interval: 5\nlora: {rank: 4, alpha: 8}\n"
-                   "memory: {recompute: selective, tier: host, cache_ops: [mm, grouped_mm]}\n")
+    cfg.write_text(
+        f"model: kiln-tiny\ntraining_file: {sample / 'train.jsonl'}\nimages_file: {sample / 'images.zip'}\n"
+        "max_steps: 12\ncheckpoint_interval: 5\nlora: {rank: 4, alpha: 8}\n"
+        "memory: {recompute: selective, tier: host, cache_ops: [mm, grouped_mm]}\n"
+    )
     out = run("train", str(cfg), "--store", str(tmp_path / "store"))
     assert out.returncode == 0, out.stderr
     assert "Recompute: selective, keeping mm, grouped_mm outputs on the host tier" in out.stdout

@@ -2,6 +2,7 @@
 (kiln.catalog, torch-free) belongs to a built-in model of its family, names only real modules and
 parameters of the model that family builds, and states the facts the family computes from its
 config (experts, position limit, image tokens)."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,9 @@ def check_targets(model: nn.Module, targets: Targets) -> None:
     params = [name for name, _ in model.named_parameters()]
     for p in targets.parameters:
         assert any(name.endswith("." + p) for name in params), p
-    wrapped = apply_lora(model, LoraSpec(rank=2, target_modules=list(targets.modules),
-                                         target_parameters=list(targets.parameters)))
+    wrapped = apply_lora(
+        model, LoraSpec(rank=2, target_modules=list(targets.modules), target_parameters=list(targets.parameters))
+    )
     assert {w.rsplit(".", 1)[-1] for w in wrapped if not w.endswith("mlp.experts")} == set(targets.modules)
 
 
@@ -33,7 +35,9 @@ def test_the_catalog_is_the_families_built_in_models():
     from api import catalog
 
     assert list(BUILT_IN) == list(CARDS) == list(BUILTINS)
-    assert all(card is CARDS[name] and card.model_type == family.model_type for name, (family, card) in BUILT_IN.items())
+    assert all(
+        card is CARDS[name] and card.model_type == family.model_type for name, (family, card) in BUILT_IN.items()
+    )
     assert catalog.BASE_MODELS == {name: card.row() for name, card in CARDS.items()}
 
 
@@ -55,13 +59,32 @@ def test_a_cards_facts_are_the_built_models(name, tmp_path):
 def test_a_family_without_a_built_in_model_names_its_real_modules():
     """DeepSeek V3.2 (loaded as the hybrid, every layer Gated DSA): a small config.json."""
     family = FAMILIES["deepseek_v32"]
-    raw = {"vocab_size": 200, "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "q_lora_rank": 24,
-           "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "index_n_heads": 4,
-           "index_head_dim": 16, "index_topk": 6, "n_routed_experts": 8, "num_experts_per_tok": 2,
-           "moe_intermediate_size": 32, "intermediate_size": 96, "n_shared_experts": 1, "first_k_dense_replace": 1,
-           "max_position_embeddings": 1024}
+    raw = {
+        "vocab_size": 200,
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "index_n_heads": 4,
+        "index_head_dim": 16,
+        "index_topk": 6,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "intermediate_size": 96,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "max_position_embeddings": 1024,
+    }
     model = family.build(raw)
     assert not family.builtins and family.save is None and isinstance(model, family.model_class)
     check_targets(model, family.lora)
-    assert (family.experts(model.config), family.position_limit(model.config), family.image_tokens(model.config)) == \
-        (8, 1024, None)
+    assert (family.experts(model.config), family.position_limit(model.config), family.image_tokens(model.config)) == (
+        8,
+        1024,
+        None,
+    )

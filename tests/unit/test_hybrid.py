@@ -1,5 +1,6 @@
 """The hybrid family: config round trip, parameter counting against the built model (the
 flagship too, on the meta device), and the debug model's forward, packing and training."""
+
 from __future__ import annotations
 
 import torch
@@ -55,8 +56,8 @@ def test_debug_model_packs_documents_exactly():
         packed = m(ids, doc_ids_BT=docs, positions_BT=pos)
         at = 0
         for n in lens:
-            alone = m(ids[:, at:at + n])
-            assert float((packed[:, at:at + n] - alone).norm() / alone.norm()) < 1e-10
+            alone = m(ids[:, at : at + n])
+            assert float((packed[:, at : at + n] - alone).norm() / alone.norm()) < 1e-10
             at += n
 
 
@@ -64,7 +65,7 @@ def test_images_attn_res_switch_and_a_training_step():
     c = ModelConfig.debug()
     m = build(c, dtype=torch.float32).train()
     ids = torch.randint(0, 256, (2, 40))
-    ids[0, 3:3 + m.image_tokens] = IMAGE
+    ids[0, 3 : 3 + m.image_tokens] = IMAGE
     pixels = torch.randn(1, 3, 32, 32)
     logits = m(ids, pixels)
     assert logits.shape == (2, 40, 263) and torch.isfinite(logits).all()
@@ -74,8 +75,12 @@ def test_images_attn_res_switch_and_a_training_step():
     assert m.indexer_loss() is not None and float(m.indexer_loss().detach()) >= 0
     plain = build(ModelConfig(**{**ModelConfig.debug().__dict__, "attn_res": False}), dtype=torch.float32)
     assert plain.attn_res is None and torch.isfinite(plain(ids, pixels)).all()
-    wrapped = apply_lora(build(c, dtype=torch.float32), LoraSpec(rank=2, target_modules=["q_proj", "o_proj", "q_b_proj"],
-                                                                 target_parameters=["mlp.experts.gate_up_proj"]))
+    wrapped = apply_lora(
+        build(c, dtype=torch.float32),
+        LoraSpec(
+            rank=2, target_modules=["q_proj", "o_proj", "q_b_proj"], target_parameters=["mlp.experts.gate_up_proj"]
+        ),
+    )
     assert any("layers.1.self_attn.q_b_proj" in w for w in wrapped) and any(w.endswith("mlp.experts") for w in wrapped)
 
 
@@ -95,6 +100,7 @@ def test_attention_kernels_get_bf16_under_autocast(monkeypatch):
         def call(*args, **kwargs):
             seen.setdefault(name, []).extend(a.dtype for a in args[:arity])
             return inner(*args, **kwargs)
+
         monkeypatch.setattr(module, name, call)
 
     spy(kimi_linear, "kda_chunk", 3)  # q, k, v (the gate and beta stay fp32 on purpose)
@@ -103,8 +109,12 @@ def test_attention_kernels_get_bf16_under_autocast(monkeypatch):
     spy(moe, "grouped_mlp", 1)  # the experts' rows
     c = ModelConfig.debug(vocab_size=512)
     model = build(c, dtype=torch.float32)
-    apply_lora(model, LoraSpec(rank=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj",
-                                                       "kv_b_proj", "latent_down"]))
+    apply_lora(
+        model,
+        LoraSpec(
+            rank=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "q_b_proj", "kv_b_proj", "latent_down"]
+        ),
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randint(0, 512, (1, 64)))
     assert set(seen) == {"kda_chunk", "short_conv", "sparse_attention", "grouped_mlp"}
@@ -123,8 +133,14 @@ def test_a_bf16_frozen_base_trains_as_the_fp32_one_under_autocast():
 
     c = ModelConfig.debug(vocab_size=512)
     base = build(c, dtype=torch.float32)
-    apply_lora(base, LoraSpec(rank=4, target_modules=["q_proj", "o_proj", "latent_down", "down_proj", "kv_b_proj"],
-                              target_parameters=["mlp.experts.gate_up_proj"]))
+    apply_lora(
+        base,
+        LoraSpec(
+            rank=4,
+            target_modules=["q_proj", "o_proj", "latent_down", "down_proj", "kv_b_proj"],
+            target_parameters=["mlp.experts.gate_up_proj"],
+        ),
+    )
     with torch.no_grad():
         for n, p in base.named_parameters():
             if "lora_B" in n or n.endswith("_B"):
@@ -136,8 +152,11 @@ def test_a_bf16_frozen_base_trains_as_the_fp32_one_under_autocast():
     dtypes = {n: p.dtype for n, p in small.named_parameters()}
     assert dtypes["layers.0.self_attn.q_proj.base.weight"] == dtypes["layers.1.mlp.experts.down_proj"] == torch.bfloat16
     assert dtypes["layers.0.self_attn.conv1d.weight"] == torch.bfloat16
-    keep32 = [n for n in dtypes if "norm" in n or "lora" in n or "embed_tokens" in n or n.endswith("gate.weight")
-              or "kv_b_proj" in n]  # DSA reads kv_b_proj's weight as a matrix (MLA absorbed): left as it is
+    keep32 = [
+        n
+        for n in dtypes
+        if "norm" in n or "lora" in n or "embed_tokens" in n or n.endswith("gate.weight") or "kv_b_proj" in n
+    ]  # DSA reads kv_b_proj's weight as a matrix (MLA absorbed): left as it is
     assert keep32 and all(dtypes[n] == torch.float32 for n in keep32)
     ids = torch.randint(0, 512, (1, 64), generator=torch.Generator().manual_seed(3))
     got = {}
@@ -152,4 +171,3 @@ def test_a_bf16_frozen_base_trains_as_the_fp32_one_under_autocast():
     for n, g in got["fp32"][1].items():
         assert g is not None and g.abs().sum() > 0, n
         assert torch.equal(g, got["bf16"][1][n]), n
-

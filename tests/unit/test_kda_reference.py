@@ -1,5 +1,6 @@
 """The KDA reference: chunked form == recurrent form, forward and every gradient, ragged and
 variable-length; parity with fla-core's own naive implementations."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,9 +20,13 @@ def rel(a, b):
 def inputs(B, T, H, K, V, dtype=torch.float64, seed=0, state=False, grad=False):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)
-    x = {"q": F.normalize(r(B, T, H, K), dim=-1), "k": F.normalize(r(B, T, H, K), dim=-1), "v": r(B, T, H, V),
-         "g": kda_gate(r(B, T, H, K), r(H) * 0.5, r(H, K)).to(dtype),
-         "beta": torch.sigmoid(r(B, T, H))}
+    x = {
+        "q": F.normalize(r(B, T, H, K), dim=-1),
+        "k": F.normalize(r(B, T, H, K), dim=-1),
+        "v": r(B, T, H, V),
+        "g": kda_gate(r(B, T, H, K), r(H) * 0.5, r(H, K)).to(dtype),
+        "beta": torch.sigmoid(r(B, T, H)),
+    }
     if state:
         x["initial_state"] = r(B, H, K, V)
     if grad:
@@ -30,8 +35,9 @@ def inputs(B, T, H, K, V, dtype=torch.float64, seed=0, state=False, grad=False):
     return x
 
 
-@pytest.mark.parametrize("B,T,H,K,V,C", [(1, 64, 1, 8, 8, 16), (2, 100, 3, 16, 8, 16), (1, 37, 2, 32, 16, 64),
-                                         (2, 130, 4, 16, 32, 32)])
+@pytest.mark.parametrize(
+    "B,T,H,K,V,C", [(1, 64, 1, 8, 8, 16), (2, 100, 3, 16, 8, 16), (1, 37, 2, 32, 16, 64), (2, 130, 4, 16, 32, 32)]
+)
 def test_chunk_equals_recurrent(B, T, H, K, V, C):
     x = inputs(B, T, H, K, V, seed=T, state=T % 2 == 0)
     o1, s1 = kda_recurrent(**x)
@@ -67,9 +73,9 @@ def test_variable_length_resets_the_state_per_sequence():
         o, S = fn(**x, initial_state=h0, cu_seqlens=cu)
         assert S.shape == (5, 2, 8, 4) and torch.equal(S[2], h0[2])
         for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
-            alone, s_alone = kda_recurrent(**{k: v[:, a:b] for k, v in x.items()}, initial_state=h0[n:n + 1])
+            alone, s_alone = kda_recurrent(**{k: v[:, a:b] for k, v in x.items()}, initial_state=h0[n : n + 1])
             assert o[:, a:b].shape == alone.shape and (a == b or rel(o[:, a:b], alone) < 1e-12)
-            assert rel(S[n:n + 1], s_alone) < 1e-12
+            assert rel(S[n : n + 1], s_alone) < 1e-12
     with pytest.raises(ValueError, match="batch of 1"):
         kda_chunk(**inputs(2, 10, 1, 4, 4), cu_seqlens=torch.tensor([0, 10]))
 
@@ -98,10 +104,12 @@ def test_parity_with_fla_naive():
     fla = fla_naive()
     x = inputs(2, 128, 2, 16, 16, seed=11, state=True)
     ours, s_ours = kda_chunk(**x, chunk_size=64)
-    theirs, s_theirs = fla.naive_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                               initial_state=x["initial_state"], output_final_state=True)
+    theirs, s_theirs = fla.naive_recurrent_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], output_final_state=True
+    )
     # fla's naive forms compute in fp32 whatever they are given: ARCHITECTURE's fp32 bound applies
     assert rel(ours, theirs) < 1e-5 and rel(s_ours, s_theirs) < 1e-5
-    theirs_chunk, _ = fla.naive_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                          initial_state=x["initial_state"], output_final_state=True)
+    theirs_chunk, _ = fla.naive_chunk_kda(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], output_final_state=True
+    )
     assert rel(ours, theirs_chunk) < 1e-5

@@ -3,6 +3,7 @@ short convolution, the RMSNorms (and of Swap Core keeping their outputs) at thei
 shapes through Triton's interpreter, in a process of its own. triton lives in .triton, which
 scripts/test.sh fills: on the CPU machine it stays out of .venv, where it would send
 transformers' KDA to a GPU."""
+
 from __future__ import annotations
 
 import os
@@ -13,18 +14,36 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FILES = ["tests/gpu/test_dsa_cuda.py", "tests/gpu/test_moe_triton.py", "tests/gpu/test_grouped_gemm.py",
-         "tests/gpu/test_loss_cuda.py", "tests/gpu/test_attnres_cuda.py", "tests/gpu/test_kda_cuda.py",
-         "tests/gpu/test_kept_kernels.py", "tests/gpu/test_conv_cuda.py", "tests/gpu/test_norm_cuda.py"]
+FILES = [
+    "tests/gpu/test_dsa_cuda.py",
+    "tests/gpu/test_moe_triton.py",
+    "tests/gpu/test_grouped_gemm.py",
+    "tests/gpu/test_loss_cuda.py",
+    "tests/gpu/test_attnres_cuda.py",
+    "tests/gpu/test_kda_cuda.py",
+    "tests/gpu/test_kept_kernels.py",
+    "tests/gpu/test_conv_cuda.py",
+    "tests/gpu/test_norm_cuda.py",
+]
 
 
 @pytest.mark.timeout(600)  # ~270 s alone on the 2-core CI machine: the default 300 s is too close
 def test_triton_kernels_in_the_interpreter():
     site = ROOT / ".triton"
     assert (site / "triton").is_dir(), "triton is not in .triton: run scripts/test.sh (it installs it there)"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-                          *FILES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning", *FILES],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "\n58 passed, 101 skipped" in run.stdout, run.stdout[-2000:]  # the small shapes ran, the GPU-only ones not

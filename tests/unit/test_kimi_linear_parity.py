@@ -1,5 +1,6 @@
 """Our Kimi Linear against transformers' kimi_linear on a small random checkpoint saved by
 transformers itself (sharded), loaded through our loader: logits within fp32 rel err 1e-4."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,31 @@ transformers = pytest.importorskip("transformers")
 
 
 def tiny_config(**kw):
-    base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
-                qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, num_local_experts=8, num_experts_per_tok=3,
-                n_shared_experts=1, linear_head_dim=16, linear_num_heads=4, routed_scaling_factor=2.446,
-                layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-                mlp_layer_types=["dense", "sparse", "sparse", "sparse"], pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        routed_scaling_factor=2.446,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return transformers.KimiLinearConfig(**{**base, **kw})
 
 
@@ -54,7 +74,9 @@ def test_grouped_experts_and_conv_come_from_the_disk_layout(saved):
     ours = load_kimi_linear(folder)
     theirs = dict(ref.named_parameters())
     mine = dict(ours.named_parameters())
-    assert torch.equal(mine["model.layers.1.mlp.experts.gate_up_proj"], theirs["model.layers.1.mlp.experts.gate_up_proj"])
+    assert torch.equal(
+        mine["model.layers.1.mlp.experts.gate_up_proj"], theirs["model.layers.1.mlp.experts.gate_up_proj"]
+    )
     assert torch.equal(mine["model.layers.0.self_attn.conv1d.weight"], theirs["model.layers.0.self_attn.conv1d.weight"])
     assert not any(p.is_meta for p in ours.parameters())
     assert set(mine) == set(theirs)  # the same names as transformers' module tree: PEFT's keys
@@ -70,8 +92,8 @@ def test_packed_documents_equal_each_alone(saved):
         packed = model(ids, doc_ids_BT=docs)
         at = 0
         for n in lens:  # KDA state, short convolutions and attention all restart per document
-            alone = model(ids[:, at:at + n])
-            assert float((packed[:, at:at + n] - alone).norm() / alone.norm()) < 1e-10
+            alone = model(ids[:, at : at + n])
+            assert float((packed[:, at : at + n] - alone).norm() / alone.norm()) < 1e-10
             at += n
 
 
@@ -83,8 +105,12 @@ def test_our_adapter_loads_in_peft_and_gives_our_logits(saved, tmp_path):
     from engine.spec import LoraSpec
 
     ref, folder = saved
-    spec = LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "o_proj", "g_b_proj"],
-                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    spec = LoraSpec(
+        rank=4,
+        alpha=8.0,
+        target_modules=["q_proj", "o_proj", "g_b_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
     ours = load_kimi_linear(folder).eval()
     apply_lora(ours, spec)
     g = torch.Generator().manual_seed(7)
@@ -110,6 +136,7 @@ def test_our_adapter_loads_in_peft_and_gives_our_logits(saved, tmp_path):
 
 def test_to_hf_round_trips_and_transformers_reads_it(saved, tmp_path):
     from engine.model.kimi_linear import save_kimi_linear
+
     ref, folder = saved
     ours = load_kimi_linear(folder).eval()
     save_kimi_linear(ours, tmp_path / "again")
@@ -131,10 +158,18 @@ def test_config_in_the_hubs_own_form(saved, tmp_path):
 
     ref, folder = saved
     d = json.loads((folder / "config.json").read_text())
-    hub = {k: v for k, v in d.items() if k not in ("layer_types", "mlp_layer_types", "linear_head_dim",
-                                                   "linear_num_heads", "linear_conv_kernel_dim")}
-    hub["linear_attn_config"] = {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
-                                 "kda_layers": [1, 2, 4], "full_attn_layers": [3]}
+    hub = {
+        k: v
+        for k, v in d.items()
+        if k not in ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim")
+    }
+    hub["linear_attn_config"] = {
+        "head_dim": 16,
+        "num_heads": 4,
+        "short_conv_kernel_size": 4,
+        "kda_layers": [1, 2, 4],
+        "full_attn_layers": [3],
+    }
     hub["first_k_dense_replace"] = 1
     assert KimiLinearConfig.from_hf(hub) == KimiLinearConfig.from_hf(d)
     for f in folder.iterdir():

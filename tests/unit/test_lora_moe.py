@@ -1,5 +1,6 @@
 """LoRA merge/unmerge in place, its output dtype under autocast, the aux-loss-free router
 balancing and the experts' row counts."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,14 @@ def kimi(seed=0):
 
 def test_merge_then_unmerge_in_place():
     model = kimi()
-    apply_lora(model, LoraSpec(rank=4, target_modules=["q_proj", "o_proj", "down_proj"],
-                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    apply_lora(
+        model,
+        LoraSpec(
+            rank=4,
+            target_modules=["q_proj", "o_proj", "down_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:

@@ -1,4 +1,5 @@
 """The chunked linear + cross-entropy equals the full computation, loss and both gradients."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,15 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("N,D,V,tc,vc,dtype,tol", [
-    (37, 16, 101, 8, 32, torch.float64, 1e-12),    # ragged chunks on both axes
-    (200, 32, 1000, 64, 128, torch.float64, 1e-12),
-    (256, 64, 5000, 100, 777, torch.float32, 1e-5),
-    (10, 8, 50, 4096, 16384, torch.float64, 1e-12),  # chunks larger than the data
-])
+@pytest.mark.parametrize(
+    "N,D,V,tc,vc,dtype,tol",
+    [
+        (37, 16, 101, 8, 32, torch.float64, 1e-12),  # ragged chunks on both axes
+        (200, 32, 1000, 64, 128, torch.float64, 1e-12),
+        (256, 64, 5000, 100, 777, torch.float32, 1e-5),
+        (10, 8, 50, 4096, 16384, torch.float64, 1e-12),  # chunks larger than the data
+    ],
+)
 def test_matches_full_cross_entropy(N, D, V, tc, vc, dtype, tol):
     g = torch.Generator().manual_seed(N)
     h = torch.randn(N, D, generator=g, dtype=dtype, requires_grad=True)

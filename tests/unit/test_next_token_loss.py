@@ -2,6 +2,7 @@
 kiln_kernels.loss) equals the cross-entropy of their logits: loss, argmax hits and every gradient, for
 each built-in family, with packed rows (the shift stays inside each row), with LoRA on the head
 (the logits path) and with no target at all."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,9 @@ def logits_loss(model, ids, labels, docs):
     logits = model(ids, None, docs)[:, :-1]
     y = labels[:, 1:]
     n = int((y != IGNORE).sum())
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE,
-                           reduction="sum") / max(n, 1)
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE, reduction="sum"
+    ) / max(n, 1)
     return loss, int(((logits.argmax(-1) == y) & (y != IGNORE)).sum())
 
 
@@ -51,7 +53,11 @@ def grads(model, fn):
     model.zero_grad()
     loss, right = fn()
     loss.backward()
-    return float(loss.detach()), int(right), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return (
+        float(loss.detach()),
+        int(right),
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    )
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -3,6 +3,7 @@ step's loss and gradients equal one process computing the same step; a DCP check
 on one layout loads on another (world size and EP size both change); a whole job through
 ``engine.train`` on two processes trains as one process does, stops when asked, and resumes
 on one process from its sharded checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def torchrun(n: int, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "-m", "tests.parallel_worker", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        "-m",
+        "tests.parallel_worker",
+        *args,
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
@@ -79,10 +91,19 @@ SAMPLE = ROOT / "data" / "sample"
 
 
 def job(**kw) -> JobSpec:
-    base = dict(job_id="ftjob-par", model="kiln-hybrid-tiny", training_file=str(SAMPLE / "train.jsonl"),
-                validation_file=str(SAMPLE / "validation.jsonl"), images_file=str(SAMPLE / "images.zip"),
-                n_epochs=1, batch_size=4, seed=3, max_steps=4, checkpoint_interval=2,
-                lora=LoraSpec(rank=4, alpha=8, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    base = dict(
+        job_id="ftjob-par",
+        model="kiln-hybrid-tiny",
+        training_file=str(SAMPLE / "train.jsonl"),
+        validation_file=str(SAMPLE / "validation.jsonl"),
+        images_file=str(SAMPLE / "images.zip"),
+        n_epochs=1,
+        batch_size=4,
+        seed=3,
+        max_steps=4,
+        checkpoint_interval=2,
+        lora=LoraSpec(rank=4, alpha=8, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    )
     return JobSpec(**{**base, **kw})
 
 
@@ -98,7 +119,9 @@ def test_a_job_on_two_processes_trains_as_one_and_resumes_on_one(tmp_path):
     # Swap Core's recompute inside FSDP2 units too, keeping the matmuls (the kernels run on a GPU only)
     swap = MemorySpec(recompute="selective", tier="host", cache_ops=["mm", "grouped_mm"])
     second = engine.train(job(parallel=ParallelSpec(nproc=2, ep_size=2), memory=swap), store, two)
-    assert second.status == "succeeded" and "Parallel: 2 processes, FSDP2 over all, experts split 2 ways" in two.messages
+    assert (
+        second.status == "succeeded" and "Parallel: 2 processes, FSDP2 over all, experts split 2 ways" in two.messages
+    )
     assert two.steps[4]["swap_host_mb"] > 0
     assert two.losses == pytest.approx(one.losses, rel=1e-5)
     assert two.steps[4]["valid_loss"] == pytest.approx(one.steps[4]["valid_loss"], rel=1e-5)
@@ -125,8 +148,11 @@ def test_fewer_examples_than_processes(tmp_path):
     0, so the collectives stay in step and the update is the one-process update."""
     one, two = RecordingReporter(), RecordingReporter()
     engine.train(job(batch_size=1, max_steps=3, validation_file=None), LocalStore(tmp_path / "a"), one)
-    engine.train(job(batch_size=1, max_steps=3, validation_file=None, parallel=ParallelSpec(nproc=2, ep_size=2)),
-                 LocalStore(tmp_path / "b"), two)
+    engine.train(
+        job(batch_size=1, max_steps=3, validation_file=None, parallel=ParallelSpec(nproc=2, ep_size=2)),
+        LocalStore(tmp_path / "b"),
+        two,
+    )
     assert two.losses == pytest.approx(one.losses, rel=1e-5)
     assert [two.steps[s]["rows"] for s in (1, 2, 3)] == [one.steps[s]["rows"] for s in (1, 2, 3)]
 
@@ -139,13 +165,22 @@ def test_full_training_on_two_processes_saves_the_whole_model(tmp_path):
 
     text = "\n".join(l for l in (SAMPLE / "train.jsonl").read_text().splitlines() if '"images"' not in l)
     (tmp_path / "text.jsonl").write_text(text + "\n")
-    spec = dict(model="kimi-linear-tiny", training="full", max_steps=3, validation_file=None, images_file=None,
-                training_file=str(tmp_path / "text.jsonl"), moe_bias_rate=0.1)
+    spec = dict(
+        model="kimi-linear-tiny",
+        training="full",
+        max_steps=3,
+        validation_file=None,
+        images_file=None,
+        training_file=str(tmp_path / "text.jsonl"),
+        moe_bias_rate=0.1,
+    )
     one, two = RecordingReporter(), RecordingReporter()
     a = engine.train(job(**spec), LocalStore(tmp_path / "a"), one)
     b = engine.train(job(**spec, parallel=ParallelSpec(nproc=2, ep_size=2)), LocalStore(tmp_path / "b"), two)
     assert two.losses == pytest.approx(one.losses, rel=1e-5)
-    assert [two.steps[s]["grad_norm"] for s in (1, 2, 3)] == pytest.approx([one.steps[s]["grad_norm"] for s in (1, 2, 3)], rel=1e-5)
+    assert [two.steps[s]["grad_norm"] for s in (1, 2, 3)] == pytest.approx(
+        [one.steps[s]["grad_norm"] for s in (1, 2, 3)], rel=1e-5
+    )
     ma = load_base(LocalStore(tmp_path / "a").path(a.adapter_key))
     mb = load_base(LocalStore(tmp_path / "b").path(b.adapter_key))
     base = load_base(LocalStore(tmp_path / "a").model_dir("kimi-linear-tiny"))
@@ -158,18 +193,36 @@ def test_full_training_on_two_processes_saves_the_whole_model(tmp_path):
 
 def test_a_bad_dataset_on_two_processes_names_line_and_field(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
-                   '{"messages": [{"role": "wizard", "content": "x"}]}\n')
+    bad.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+        '{"messages": [{"role": "wizard", "content": "x"}]}\n'
+    )
     with pytest.raises(DatasetError) as e:
-        engine.train(job(training_file=str(bad), validation_file=None, parallel=ParallelSpec(nproc=2)),
-                     LocalStore(tmp_path / "s"), RecordingReporter())
+        engine.train(
+            job(training_file=str(bad), validation_file=None, parallel=ParallelSpec(nproc=2)),
+            LocalStore(tmp_path / "s"),
+            RecordingReporter(),
+        )
     assert e.value.issues and e.value.issues[0].line == 2 and "role" in e.value.issues[0].field
 
 
 def launch(n: int, spec: Path, store: Path, events: Path) -> list[dict]:
     """README's multi-node command on this node (c10d rendezvous); rank 0's reports."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={n}", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "-m", "engine.launch", str(spec), str(store), "--events", str(events)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={n}",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",
+        "-m",
+        "engine.launch",
+        str(spec),
+        str(store),
+        "--events",
+        str(events),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in events.read_text().splitlines()]
@@ -179,10 +232,18 @@ def test_the_multi_node_command_runs_a_job(tmp_path):
     """README's multi-node recipe, on one node: the spec from a YAML, torchrun with a c10d
     rendezvous (as every node of a multi-node run starts it), reports as JSON lines."""
     cfg = tmp_path / "job.yaml"
-    cfg.write_text(f"model: kiln-hybrid-tiny\ntraining_file: {SAMPLE / 'train.jsonl'}\nimages_file: {SAMPLE / 'images.zip'}\n"
-                   "max_steps: 2\nbatch_size: 4\nparallel: {nproc: 2, ep_size: 2}\n")
-    spec = subprocess.run([sys.executable, "-m", "engine.cli", "spec", str(cfg)], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, check=True).stdout
+    cfg.write_text(
+        f"model: kiln-hybrid-tiny\ntraining_file: {SAMPLE / 'train.jsonl'}\nimages_file: {SAMPLE / 'images.zip'}\n"
+        "max_steps: 2\nbatch_size: 4\nparallel: {nproc: 2, ep_size: 2}\n"
+    )
+    spec = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "spec", str(cfg)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert JobSpec.from_json(spec).parallel == ParallelSpec(nproc=2, ep_size=2)
     (tmp_path / "spec.json").write_text(spec)
     events = launch(2, tmp_path / "spec.json", tmp_path / "store", tmp_path / "events.jsonl")
@@ -198,12 +259,17 @@ def test_a_rank_failing_after_the_result_loses_no_job(tmp_path, monkeypatch):
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
         "import os\nif os.environ.get('LOCAL_RANK') == '1':\n    import torch.distributed as dist\n"
-        "    dist.destroy_process_group = lambda *a, **k: os.abort()\n")
+        "    dist.destroy_process_group = lambda *a, **k: os.abort()\n"
+    )
     monkeypatch.setenv("PYTHONPATH", str(hook))
     reporter, store = RecordingReporter(), LocalStore(tmp_path / "store")
-    result = engine.train(job(max_steps=2, validation_file=None, parallel=ParallelSpec(nproc=2, ep_size=2)), store, reporter)
+    result = engine.train(
+        job(max_steps=2, validation_file=None, parallel=ParallelSpec(nproc=2, ep_size=2)), store, reporter
+    )
     assert result.status == "succeeded" and store.path(result.adapter_key).exists()
-    assert any("a rank failed after the run had finished (exit code 1)" in m for m in reporter.messages), reporter.messages
+    assert any("a rank failed after the run had finished (exit code 1)" in m for m in reporter.messages), (
+        reporter.messages
+    )
 
 
 def test_a_killed_launcher_leaves_no_run_behind(tmp_path):
@@ -212,13 +278,23 @@ def test_a_killed_launcher_leaves_no_run_behind(tmp_path):
     import signal
     import time
 
-    (tmp_path / "spec.json").write_text(job(n_epochs=20, batch_size=1, max_steps=None, checkpoint_interval=10**6, validation_file=None,
-                                            parallel=ParallelSpec(nproc=2, ep_size=2)).to_json())
-    code = ("import sys, engine; from engine.spec import JobSpec; from kiln.store import LocalStore; "
-            "from engine.reporting import RecordingReporter\n"
-            "class R(RecordingReporter):\n    def metrics(self, step, values): print('step', step, flush=True)\n"
-            f"engine.train(JobSpec.from_json(open({str(tmp_path / 'spec.json')!r}).read()), "
-            f"LocalStore({str(tmp_path / 'store')!r}), R())")
+    (tmp_path / "spec.json").write_text(
+        job(
+            n_epochs=20,
+            batch_size=1,
+            max_steps=None,
+            checkpoint_interval=10**6,
+            validation_file=None,
+            parallel=ParallelSpec(nproc=2, ep_size=2),
+        ).to_json()
+    )
+    code = (
+        "import sys, engine; from engine.spec import JobSpec; from kiln.store import LocalStore; "
+        "from engine.reporting import RecordingReporter\n"
+        "class R(RecordingReporter):\n    def metrics(self, step, values): print('step', step, flush=True)\n"
+        f"engine.train(JobSpec.from_json(open({str(tmp_path / 'spec.json')!r}).read()), "
+        f"LocalStore({str(tmp_path / 'store')!r}), R())"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().startswith("step")  # training under torchrun
     ranks = subprocess.run(["pgrep", "-f", "engine.launch"], capture_output=True, text=True).stdout.split()

@@ -1,5 +1,6 @@
 """The planner: its LoRA count is the real model's, its layout is the least-traffic one that
 fits, and it says how many GPUs a config needs when the cluster is too small."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,14 @@ def test_lora_count_equals_the_model_with_adapters():
     c = ModelConfig.debug()
     c.vision, c.layers = None, 4
     model = HybridForCausalLM(c)
-    apply_lora(model, LoraSpec(rank=4, target_modules=list(TARGETS),
-                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    apply_lora(
+        model,
+        LoraSpec(
+            rank=4,
+            target_modules=list(TARGETS),
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == lora_parameters(c, 4)
 
 

@@ -1,4 +1,5 @@
 """The schema comes only from migrations and matches the models; the layers import one way."""
+
 from __future__ import annotations
 
 import subprocess
@@ -46,11 +47,15 @@ def test_import_contracts_hold():
 
 
 def test_api_starts_without_torch_and_sdk_without_server():
-    code = ("import sys, api.app; api.app.create_app(); import kiln.dataset; "
-            "bad = [m for m in ('torch', 'engine', 'workers') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, api.app; api.app.create_app(); import kiln.dataset; "
+        "bad = [m for m in ('torch', 'engine', 'workers') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
-    code = ("import sys, kiln, kiln.cli, kiln.dataset; "
-            "bad = [m for m in ('fastapi', 'sqlalchemy', 'torch', 'api') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, kiln, kiln.cli, kiln.dataset; "
+        "bad = [m for m in ('fastapi', 'sqlalchemy', 'torch', 'api') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -1,6 +1,7 @@
 """Swap Core: recompute per block with kept op outputs. Without quantization the gradients are
 bit-equal to a run without recompute, on every tier; the kept ops really are skipped in the
 recompute; quantized caches stay close; misuse is an error, never silently wrong gradients."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,12 @@ from engine.spec import LoraSpec, MemorySpec
 from kiln_kernels.moe import grouped
 
 OPS = ["mm", "grouped_mm", "kernels"]  # matmuls too: on a CPU the kernels' class has nothing to keep
-LORA = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "o_proj", "down_proj", "q_a_proj", "latent_down"],
-                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+LORA = LoraSpec(
+    rank=4,
+    alpha=8,
+    target_modules=["q_proj", "o_proj", "down_proj", "q_a_proj", "latent_down"],
+    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,19 +66,22 @@ def grads(base, spec: MemorySpec, dtype=torch.float32, autocast: bool = False):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, core
 
 
-EXACT = [MemorySpec(recompute="full"),
-         MemorySpec(recompute="selective", cache_ops=OPS),
-         MemorySpec(recompute="selective", cache_ops=OPS, tier="host"),
-         MemorySpec(recompute="selective", cache_ops=OPS, tier="auto", device_budget_mb=0.05),
-         MemorySpec(recompute="selective", cache_ops=["mm", "bmm", "grouped_mm", "attention", "kernels"]),
-         MemorySpec(recompute="selective", cache_ops=["projections"]),
-         MemorySpec(recompute="selective", cache_ops=["projections", "mm"], tier="host"),
-         MemorySpec(recompute="full", blocks=["mlp"]),
-         MemorySpec(recompute="selective", cache_ops=OPS, blocks=["attention", "attention"])]
+EXACT = [
+    MemorySpec(recompute="full"),
+    MemorySpec(recompute="selective", cache_ops=OPS),
+    MemorySpec(recompute="selective", cache_ops=OPS, tier="host"),
+    MemorySpec(recompute="selective", cache_ops=OPS, tier="auto", device_budget_mb=0.05),
+    MemorySpec(recompute="selective", cache_ops=["mm", "bmm", "grouped_mm", "attention", "kernels"]),
+    MemorySpec(recompute="selective", cache_ops=["projections"]),
+    MemorySpec(recompute="selective", cache_ops=["projections", "mm"], tier="host"),
+    MemorySpec(recompute="full", blocks=["mlp"]),
+    MemorySpec(recompute="selective", cache_ops=OPS, blocks=["attention", "attention"]),
+]
 
 
-@pytest.mark.parametrize("spec", EXACT, ids=lambda s: f"{s.recompute}-{s.tier}-{'+'.join(s.cache_ops)}-"
-                                                       f"{'+'.join(s.blocks)}")
+@pytest.mark.parametrize(
+    "spec", EXACT, ids=lambda s: f"{s.recompute}-{s.tier}-{'+'.join(s.cache_ops)}-{'+'.join(s.blocks)}"
+)
 def test_gradients_are_bit_equal_to_no_recompute(hybrid, spec):
     loss0, ref, _ = grads(hybrid, MemorySpec())
     loss, got, core = grads(hybrid, spec)
@@ -171,6 +179,7 @@ def test_lora_linear_is_autograds_composition_bit_for_bit(autocast, x_dtype, bia
     def composed(xi):
         y = torch.nn.functional.linear(xi, layer.base.weight, layer.base.bias)
         return y + torch.nn.functional.linear(torch.nn.functional.linear(xi.to(A.dtype), A) * s, B).to(y.dtype)
+
     outs = []
     for f in (composed, layer):
         xi = x.clone().requires_grad_(True)
@@ -267,9 +276,15 @@ def test_quantized_caches_are_close_and_half_the_bytes(hybrid):
     assert 0 < errors["int8"] < 1e-2 and errors["int8"] < errors["fp8"] < 0.03, errors
 
 
-@pytest.mark.parametrize("spec", [MemorySpec(recompute="full"), MemorySpec(recompute="selective", cache_ops=OPS),
-                                  MemorySpec(recompute="selective", cache_ops=["projections"])],
-                         ids=lambda s: f"{s.recompute}-{'+'.join(s.cache_ops)}")
+@pytest.mark.parametrize(
+    "spec",
+    [
+        MemorySpec(recompute="full"),
+        MemorySpec(recompute="selective", cache_ops=OPS),
+        MemorySpec(recompute="selective", cache_ops=["projections"]),
+    ],
+    ids=lambda s: f"{s.recompute}-{'+'.join(s.cache_ops)}",
+)
 def test_gradients_are_bit_equal_under_autocast(hybrid, spec):
     """Under bf16 autocast too. Swap Core's dispatch mode runs a custom op's body outside autocast:
     DSA's reference top-k scored its keys with bf16 matmuls without the mode and fp32 ones with it,
@@ -411,8 +426,9 @@ class FrozenExperts(torch.nn.Module):
         bf = lambda *s: (torch.randn(*s, generator=g) * 0.2).bfloat16()
         self.W1, self.W2 = bf(E, 2 * I, D), bf(E, D, I)
         shapes = {"gate_up_proj": ((E, r, D), (E, 2 * I, r)), "down_proj": ((E, r, I), (E, D, r))}
-        self.factors = torch.nn.ParameterDict({f"{n}_{i}": torch.nn.Parameter(bf(*shape).float())
-                                               for n in lora_on for i, shape in enumerate(shapes[n])})
+        self.factors = torch.nn.ParameterDict(
+            {f"{n}_{i}": torch.nn.Parameter(bf(*shape).float()) for n in lora_on for i, shape in enumerate(shapes[n])}
+        )
         self.lora = {n: (self.factors[f"{n}_0"], self.factors[f"{n}_1"]) for n in lora_on}
         self.counts = torch.tensor([10, 0, 17, 13])
 
@@ -443,8 +459,9 @@ def test_kept_experts_run_no_grouped_gemm_again(lora_on):
         vars(block).pop("forward", None)
         return [y.detach(), *(t.grad for t in leaves)], counter.calls, core
 
-    plain = lambda x: grouped.mlp(grouped.gmm, x * 2, block.counts, block.W1, block.W2, situ,
-                                  block.lora, 2.0)  # autograd's composition
+    plain = lambda x: grouped.mlp(
+        grouped.gmm, x * 2, block.counts, block.W1, block.W2, situ, block.lora, 2.0
+    )  # autograd's composition
     want, _, _ = run(plain)
     got, none, _ = run(block)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
@@ -459,10 +476,18 @@ def test_kept_experts_run_no_grouped_gemm_again(lora_on):
     assert core.peak["device"] > 0 and core.live["device"] == 0
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("recompute", "some", "memory.recompute"), ("tier", "disk", "memory.tier"), ("quantize", "fp4", "memory.quantize"),
-    ("cache_ops", ["mm", "conv"], "unknown op class"), ("device_budget_mb", -1.0, "device_budget_mb"),
-    ("blocks", ["mlp", "ffn"], "memory.blocks"), ("blocks", [], "memory.blocks")])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("recompute", "some", "memory.recompute"),
+        ("tier", "disk", "memory.tier"),
+        ("quantize", "fp4", "memory.quantize"),
+        ("cache_ops", ["mm", "conv"], "unknown op class"),
+        ("device_budget_mb", -1.0, "device_budget_mb"),
+        ("blocks", ["mlp", "ffn"], "memory.blocks"),
+        ("blocks", [], "memory.blocks"),
+    ],
+)
 def test_bad_settings_are_named(field, value, message):
     with pytest.raises(ValueError, match=message):
         SwapCore(MemorySpec(**{"recompute": "selective", field: value}))
@@ -483,9 +508,21 @@ def test_a_job_trains_the_same_with_swap_core(tmp_path):
 
     def job(memory: MemorySpec) -> RecordingReporter:
         rec = RecordingReporter()
-        engine.train(JobSpec(job_id="ftjob-swap", model="kiln-hybrid-tiny", training_file=str(SAMPLE / "train.jsonl"),
-                             images_file=str(SAMPLE / "images.zip"), max_steps=3, batch_size=4, seed=3,
-                             lora=LORA, memory=memory), LocalStore(tmp_path / memory.recompute), rec)
+        engine.train(
+            JobSpec(
+                job_id="ftjob-swap",
+                model="kiln-hybrid-tiny",
+                training_file=str(SAMPLE / "train.jsonl"),
+                images_file=str(SAMPLE / "images.zip"),
+                max_steps=3,
+                batch_size=4,
+                seed=3,
+                lora=LORA,
+                memory=memory,
+            ),
+            LocalStore(tmp_path / memory.recompute),
+            rec,
+        )
         return rec
 
     plain = job(MemorySpec())

@@ -1,4 +1,5 @@
 """Tokenizers from a model's folder and the chat template's training targets."""
+
 from __future__ import annotations
 
 import base64
@@ -11,9 +12,16 @@ from kiln.dataset import parse_line
 from kiln.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer, chat_template, encode_chat, load_tokenizer
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
-CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<image>\nHow many?"},
-                     {"role": "assistant", "content": "draft", "weight": 0}, {"role": "user", "content": "Again?"},
-                     {"role": "assistant", "content": "Three — trois."}], "images": ["a.png"]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "<image>\nHow many?"},
+        {"role": "assistant", "content": "draft", "weight": 0},
+        {"role": "user", "content": "Again?"},
+        {"role": "assistant", "content": "Three — trois."},
+    ],
+    "images": ["a.png"],
+}
 
 
 def example(obj=CHAT):
@@ -46,8 +54,9 @@ def trained_bpe(tmp_path_factory):
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|image_pad|>"]
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     text = [l for p in ("train.jsonl", "validation.jsonl") for l in (SAMPLE / p).read_text().splitlines()]
     t.train_from_iterator(text + ["Three — trois. Be brief. How many? Again?"], trainer)
     folder = tmp_path_factory.mktemp("bpe")
@@ -92,8 +101,11 @@ def test_tiktoken_model_file_with_kimi_chat_tokens(trained_bpe, tmp_path):
     (tmp_path / "tiktoken.model").write_text("\n".join(lines) + "\n")
     n = len(lines)
     specials = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|media_pad|>"]
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"added_tokens_decoder": {str(n + i): {"content": s, "special": True} for i, s in enumerate(specials)}}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"added_tokens_decoder": {str(n + i): {"content": s, "special": True} for i, s in enumerate(specials)}}
+        )
+    )
     tok = load_tokenizer(tmp_path)
     assert isinstance(tok, TiktokenTokenizer) and tok.vocab_size == n + len(specials)
     text = "How many squares? 12 — dozen, ünïcode ✓"
@@ -107,7 +119,9 @@ def test_tiktoken_model_file_with_kimi_chat_tokens(trained_bpe, tmp_path):
 
 def _byte_chars() -> list[str]:
     """GPT-2's printable stand-ins for the 256 bytes, in byte order (what ByteLevel BPE stores)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -120,6 +134,7 @@ def _byte_chars() -> list[str]:
 
 def test_images_need_an_image_token(trained_bpe, tmp_path):
     from tokenizers import Tokenizer
+
     t = Tokenizer.from_file(str(trained_bpe / "tokenizer.json"))
     cfg = json.loads(t.to_str())
     cfg["added_tokens"] = [a for a in cfg["added_tokens"] if a["content"] != "<|image_pad|>"]

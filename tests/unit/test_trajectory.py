@@ -5,6 +5,7 @@ data, validation), kiln-hybrid-tiny (the hybrid's debug flavor) with its indexer
 experts. One thread: the CPU's sums in a fixed order. Pinned on the 2-core CI machine's kind;
 re-pin (``KILN_REPIN=1``: the test prints the new values) only for a change meant to alter a
 step's arithmetic, and say so in the commit."""
+
 from __future__ import annotations
 
 import os
@@ -21,18 +22,35 @@ from kiln.store import LocalStore
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 
 PINNED = {  # step: train loss[, valid loss], as float.hex
-    "kiln-tiny": {1: '0x1.6d6a720000000p+2', 2: '0x1.55dcf20000000p+2 0x1.3d66af10d148ep+2',
-                  3: '0x1.3df6180000000p+2', 4: '0x1.2f00080000000p+2 0x1.263da43f8868ap+2'},
-    "kiln-hybrid-tiny": {1: '0x1.6b44140000000p+2', 2: '0x1.67d00c0000000p+2 0x1.63990a1a291c0p+2',
-                         3: '0x1.658cf00000000p+2', 4: '0x1.6472b60000000p+2 0x1.619684be9939fp+2'},
+    "kiln-tiny": {
+        1: "0x1.6d6a720000000p+2",
+        2: "0x1.55dcf20000000p+2 0x1.3d66af10d148ep+2",
+        3: "0x1.3df6180000000p+2",
+        4: "0x1.2f00080000000p+2 0x1.263da43f8868ap+2",
+    },
+    "kiln-hybrid-tiny": {
+        1: "0x1.6b44140000000p+2",
+        2: "0x1.67d00c0000000p+2 0x1.63990a1a291c0p+2",
+        3: "0x1.658cf00000000p+2",
+        4: "0x1.6472b60000000p+2 0x1.619684be9939fp+2",
+    },
 }
 
 
 def run(model: str, tmp_path: Path) -> dict[int, str]:
-    spec = JobSpec(job_id=f"ftjob-pin-{model}", model=model, training_file=str(SAMPLE / "train.jsonl"),
-                   validation_file=str(SAMPLE / "validation.jsonl"), images_file=str(SAMPLE / "images.zip"),
-                   n_epochs=1, batch_size=8, seed=7, max_steps=4, checkpoint_interval=2,
-                   lora=LoraSpec(rank=4, alpha=8, dropout=0.1))
+    spec = JobSpec(
+        job_id=f"ftjob-pin-{model}",
+        model=model,
+        training_file=str(SAMPLE / "train.jsonl"),
+        validation_file=str(SAMPLE / "validation.jsonl"),
+        images_file=str(SAMPLE / "images.zip"),
+        n_epochs=1,
+        batch_size=8,
+        seed=7,
+        max_steps=4,
+        checkpoint_interval=2,
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.1),
+    )
     rec = RecordingReporter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -41,8 +59,10 @@ def run(model: str, tmp_path: Path) -> dict[int, str]:
     finally:
         torch.set_num_threads(threads)
     assert result.status == "succeeded"
-    return {s: float(v["train_loss"]).hex() + (" " + float(v["valid_loss"]).hex() if "valid_loss" in v else "")
-            for s, v in rec.steps.items()}
+    return {
+        s: float(v["train_loss"]).hex() + (" " + float(v["valid_loss"]).hex() if "valid_loss" in v else "")
+        for s, v in rec.steps.items()
+    }
 
 
 @pytest.mark.parametrize("model", list(PINNED))

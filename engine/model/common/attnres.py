@@ -6,6 +6,7 @@ before the MLP) and one before the final norm, each with its own pseudo-query.
 ``Residuals`` keeps that state for one forward pass; with ``enabled=False`` it is the plain
 residual stream (x + f(x)) and has no parameters.
 """
+
 from __future__ import annotations
 
 import torch

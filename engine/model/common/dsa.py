@@ -15,6 +15,7 @@ token. Exactly the same sums; one gathered row serves every head. With LoRA drop
 
 Legend: B batch, T tokens, D hidden, H heads, J index heads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,9 +61,9 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid_BTR).view(B, T, self.J, self.Dh)
         k = self.k_norm(self.wk(x_BTD))
         if cos is not None:  # NoPE models (K3) leave the indexer unrotated too
-            q = torch.cat([rope_half(q[..., :self.rope], cos[:, :, None], sin[:, :, None]), q[..., self.rope:]], -1)
-            k = torch.cat([rope_half(k[..., :self.rope], cos, sin), k[..., self.rope:]], -1)
-        w = self.weights_proj(x_BTD) * self.J ** -0.5
+            q = torch.cat([rope_half(q[..., : self.rope], cos[:, :, None], sin[:, :, None]), q[..., self.rope :]], -1)
+            k = torch.cat([rope_half(k[..., : self.rope], cos, sin), k[..., self.rope :]], -1)
+        w = self.weights_proj(x_BTD) * self.J**-0.5
         return q, k.to(q.dtype), w.to(q.dtype)
 
 
@@ -71,9 +72,23 @@ class GatedDSAttention(nn.Module):
     # forward: engine.lora.store_frozen leaves them in fp32, where that sum rounds once
     weights_read = ("kv_b_proj",)
 
-    def __init__(self, hidden: int, heads: int, q_lora_rank: int, kv_lora_rank: int, qk_nope: int, qk_rope: int,
-                 v_dim: int, index_heads: int, index_head_dim: int, index_topk: int, rope_theta: float = 10000.0,
-                 eps: float = 1e-6, gated: bool = True, rope: bool = True):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope: int,
+        qk_rope: int,
+        v_dim: int,
+        index_heads: int,
+        index_head_dim: int,
+        index_topk: int,
+        rope_theta: float = 10000.0,
+        eps: float = 1e-6,
+        gated: bool = True,
+        rope: bool = True,
+    ):
         super().__init__()
         self.H, self.nope, self.rope, self.v, self.rank = heads, qk_nope, qk_rope, v_dim, kv_lora_rank
         self.topk, self.theta, self.use_rope = index_topk, rope_theta, rope  # rope=False: K3's NoPE
@@ -88,8 +103,13 @@ class GatedDSAttention(nn.Module):
         self.indexer = Indexer(hidden, q_lora_rank, index_heads, index_head_dim, qk_rope)
         self.last_indexer_loss: torch.Tensor | None = None
 
-    def forward(self, x_BTD: torch.Tensor, positions_BT: torch.Tensor | None = None,
-                doc_ids_BT: torch.Tensor | None = None, cp=None) -> torch.Tensor:
+    def forward(
+        self,
+        x_BTD: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        cp=None,
+    ) -> torch.Tensor:
         """``cp`` (engine.parallel.context.ContextShard): x is one rank's slice of a sequence; the
         keys (the latent rows, RoPE'd key dims and the indexer's keys, one gathered row a token)
         come from every rank, the queries the last T of them."""
@@ -106,11 +126,14 @@ class GatedDSAttention(nn.Module):
             q_rot = rope_interleaved(q_rot, cos[:, :, None], sin[:, :, None])
             k_rot = rope_interleaved(k_rot, cos, sin)
         latent = self.kv_a_layernorm(latent)
-        index_q, index_k, index_w = self.indexer(x_BTD.detach(), q_resid.detach(), cos, sin)  # learns from its loss only
+        index_q, index_k, index_w = self.indexer(
+            x_BTD.detach(), q_resid.detach(), cos, sin
+        )  # learns from its loss only
         if cp is not None:
             widths = [self.rank, self.rope, index_k.shape[-1]]
-            rows = cp.key_rows(torch.cat([latent, k_rot.to(latent.dtype), index_k.to(latent.dtype)], -1)[0],
-                               (id(self), "kv"))
+            rows = cp.key_rows(
+                torch.cat([latent, k_rot.to(latent.dtype), index_k.to(latent.dtype)], -1)[0], (id(self), "kv")
+            )
             latent, k_rot, index_k = rows[None].split(widths, -1)
             k_rot, index_k = k_rot.to(q_rot.dtype), index_k.to(index_q.dtype)
             starts = cp.key_starts(starts)
@@ -153,4 +176,4 @@ class GatedDSAttention(nn.Module):
         if W is None:
             return None, None
         W = W.view(self.H, self.nope + self.v, self.rank)
-        return W[:, :self.nope], W[:, self.nope:]
+        return W[:, : self.nope], W[:, self.nope :]

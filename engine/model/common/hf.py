@@ -4,6 +4,7 @@ the meta device, then each tensor streamed from disk into place, so only what is
 materialised. Per-expert tensors on disk (``names.EXPERT_KEY``) are stacked into our grouped
 ``gate_up_proj`` [E, 2I, D] (gate rows first, then up) and ``down_proj`` [E, D, I].
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,10 @@ from torch import nn
 from engine.model.common import names
 
 # a per-expert part on disk -> its rows in our grouped tensors
-_ROLE = {part: {("gate_up_proj", 0): "gate", ("gate_up_proj", 1): "up", ("down_proj", 0): "down"}[place]
-         for part, place in names.PART_OF.items()}
+_ROLE = {
+    part: {("gate_up_proj", 0): "gate", ("gate_up_proj", 1): "up", ("down_proj", 0): "down"}[place]
+    for part, place in names.PART_OF.items()
+}
 
 
 def shards(folder: Path) -> list[Path]:
@@ -89,8 +92,13 @@ class ExpertStacker:
         return done
 
 
-def stream_into(model: nn.Module, folder: Path, dtype: torch.dtype, experts: ExpertStacker,
-                rename: Callable[[str, torch.Tensor], str | None]) -> set[str]:
+def stream_into(
+    model: nn.Module,
+    folder: Path,
+    dtype: torch.dtype,
+    experts: ExpertStacker,
+    rename: Callable[[str, torch.Tensor], str | None],
+) -> set[str]:
     """Every checkpoint tensor into its place: ``rename`` maps a disk name to a module name (None
     when it took the tensor itself), then per-expert tensors are stacked and the rest put in
     place. Returns what was loaded; raises on tensors without a place."""

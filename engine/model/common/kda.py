@@ -6,6 +6,7 @@ transformers' ``kimi_linear`` (one ``conv1d`` over q|k|v, the gate's parameters 
 
 Legend: B batch, T tokens, D hidden, H heads, K head dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,16 @@ class KimiDeltaAttention(nn.Module):
     chunked delta rule, a gated RMSNorm per head and o_proj. ``full_rank_gate`` (K3): the output
     gate is one D x HK projection (``g_proj``) instead of the low-rank g_a/g_b pair."""
 
-    def __init__(self, hidden: int, H: int, K: int, conv: int = 4, eps: float = 1e-5,
-                 gate_lower_bound: float | None = None, full_rank_gate: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        H: int,
+        K: int,
+        conv: int = 4,
+        eps: float = 1e-5,
+        gate_lower_bound: float | None = None,
+        full_rank_gate: bool = False,
+    ):
         super().__init__()
         D = hidden
         self.H, self.K = H, K
@@ -66,7 +75,9 @@ class KimiDeltaAttention(nn.Module):
         filters = self.conv1d.weight.split(self.H * self.K)
         halo = self.conv1d.weight.shape[-1] - 1
         qkv = []
-        for name, proj, w, norm in zip("qkv", (self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0), strict=True):
+        for name, proj, w, norm in zip(
+            "qkv", (self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0), strict=True
+        ):
             y = proj(x_BTD)
             if cp is None:
                 y = short_conv(y, w, cu_seqlens, norm)
@@ -81,6 +92,6 @@ class KimiDeltaAttention(nn.Module):
         o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens)
         if cp is not None:
             o = cp.state_out(final[-1], o)
-        gate = (self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD)))
+        gate = self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD))
         gate = gate.view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))

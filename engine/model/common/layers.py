@@ -1,4 +1,5 @@
 """Small layers every model here uses."""
+
 from __future__ import annotations
 
 import torch
@@ -77,8 +78,9 @@ def row_documents(doc_ids_BT: torch.Tensor | None, B: int, T: int) -> torch.Tens
     return cu_seqlens(rows_end_to_end(doc_ids_BT)) if doc_ids_BT is not None else torch.arange(0, B * T + 1, T)
 
 
-def next_token_loss(head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor,
-                    ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_loss(
+    head: nn.Module, h_BTD: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The mean cross-entropy of each next token over the targets (0 without any) and how many of
     them the argmax gets right. ``labels_BT`` holds T labels (position t predicts label t + 1) or
     T + 1 (every position predicts one: a context-parallel rank's slice, whose last token's
@@ -108,9 +110,15 @@ class CausalLM:
     """The forward of a causal LM class that has ``hidden`` (the final norm's output) and
     ``lm_head``; put first among the bases (``class M(CausalLM, nn.Module)``)."""
 
-    def forward(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-                doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
-                labels_BT: torch.Tensor | None = None, cp=None):
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        pixels_NCHW: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        positions_BT: torch.Tensor | None = None,
+        labels_BT: torch.Tensor | None = None,
+        cp=None,
+    ):
         """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
         targets and the count of argmax hits (``layers.next_token_loss``: no full logits). ``cp``:
         a context-parallel rank's slice (engine.parallel.context), for the families whose

@@ -5,6 +5,7 @@ activation. Names are transformers' (``gate``, ``experts.gate_up_proj``, ``share
 
 Legend: N tokens, D hidden, E experts, I expert width, K experts per token, Z latent width.
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,8 +53,9 @@ def counts_of(sorted_ids: torch.Tensor, n: int) -> torch.Tensor:
 class Router(nn.Module):
     """Sigmoid scores; the bias (aux-loss-free balancing) only chooses, the scores weigh."""
 
-    def __init__(self, D: int, E: int, k: int, groups: int = 1, topk_group: int = 1, renorm: bool = True,
-                 scale: float = 1.0):
+    def __init__(
+        self, D: int, E: int, k: int, groups: int = 1, topk_group: int = 1, renorm: bool = True, scale: float = 1.0
+    ):
         super().__init__()
         self.E, self.k, self.groups, self.topk_group, self.renorm, self.scale = E, k, groups, topk_group, renorm, scale
         self.weight = nn.Parameter(torch.zeros(E, D))
@@ -103,8 +105,15 @@ class Experts(nn.Module):
         by expert, ``counts_E`` of each (kiln_kernels.moe: a loop on the CPU, grouped GEMMs on CUDA)."""
         lora = getattr(self, "lora", None)  # engine.lora.ExpertsLoRA, when fine-tuning the experts
         factors = lora.factors() if lora is not None else None
-        return grouped_mlp(x_MD, counts_E, self.gate_up_proj, self.down_proj, self.act, factors,
-                           lora.scaling if lora is not None else 1.0)
+        return grouped_mlp(
+            x_MD,
+            counts_E,
+            self.gate_up_proj,
+            self.down_proj,
+            self.act,
+            factors,
+            lora.scaling if lora is not None else 1.0,
+        )
 
     def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         """Sort the (token, slot) pairs by expert (stable: tokens ascending within an expert), run
@@ -129,8 +138,18 @@ class MoE(nn.Module):
     """Routed experts plus shared experts. With ``latent``: y = W_up RMSNorm(experts(W_down x))
     + shared(x), the router still reading the full-width x (LatentMoE)."""
 
-    def __init__(self, D: int, E: int, k: int, I: int, shared_inter: int, latent: int | None = None,
-                 act: str = "swiglu", eps: float = 1e-6, **router):
+    def __init__(
+        self,
+        D: int,
+        E: int,
+        k: int,
+        I: int,
+        shared_inter: int,
+        latent: int | None = None,
+        act: str = "swiglu",
+        eps: float = 1e-6,
+        **router,
+    ):
         super().__init__()
         self.gate = Router(D, E, k, **router)
         width = latent or D

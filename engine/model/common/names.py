@@ -10,6 +10,7 @@ to ours: ``common/hf.py`` and the families' ``hf.py``) and for the DCP converter
 - KDA's short convolutions are ``q_conv1d`` / ``k_conv1d`` / ``v_conv1d``; ours is one ``conv1d``
   over q | k | v.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,8 +22,12 @@ EXPERT_PARTS = {"gate_up_proj": (("w1", "w3"), ("gate_proj", "up_proj")), "down_
 CONV_PARTS = "qkv"
 
 # a per-expert part -> (grouped projection, its place among the parts)
-PART_OF = {part: (grouped, i) for grouped, families in EXPERT_PARTS.items()
-           for parts in families for i, part in enumerate(parts)}
+PART_OF = {
+    part: (grouped, i)
+    for grouped, families in EXPERT_PARTS.items()
+    for parts in families
+    for i, part in enumerate(parts)
+}
 EXPERT_KEY = re.compile(rf"^(.*\.mlp\.experts)\.(\d+)\.({'|'.join(PART_OF)})\.weight$")
 CONV_KEY = re.compile(rf"^(model\.layers\.\d+\.self_attn)\.([{CONV_PARTS}])_conv1d\.weight$")
 GATE_KEY = re.compile(rf"^(model\.layers\.\d+\.self_attn)\.({'|'.join(re.escape(n) for n in FORGET_GATE)})$")

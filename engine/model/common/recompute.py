@@ -2,6 +2,7 @@
 in its forward (the router's expert load) must do it once, not twice: it reads ``recomputing()``.
 The technique that recomputes (``engine.memory``'s Swap Core) raises the flag around each
 recompute, so that model code imports no technique."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator

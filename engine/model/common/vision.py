@@ -3,6 +3,7 @@ positions, transformer blocks, a norm). kiln-tiny has the embedding alone, the h
 
 Legend: N images, P patches per image, D hidden.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,7 +38,7 @@ class VisionTower(nn.Module):
     def __init__(self, patch: int, hidden: int, tokens: int, eps: float, layers: int = 0, heads: int = 4):
         super().__init__()
         self.patch = patch
-        self.patch_embed = nn.Linear(3 * patch ** 2, hidden)
+        self.patch_embed = nn.Linear(3 * patch**2, hidden)
         self.position_embedding = nn.Parameter(torch.zeros(tokens, hidden))
         self.blocks = nn.ModuleList(ViTBlock(hidden, heads, eps) for _ in range(layers))
         self.norm = RMSNorm(hidden, eps)

@@ -1,5 +1,6 @@
 """The built-in kiln-hybrid-tiny: the K3-style hybrid (KDA + Gated DSA, LatentMoE with SiTU, Block
 AttnRes, an image encoder) at test size, initialised from the fixed seed, in Kiln's own layout."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,5 +1,6 @@
 """The hybrid on disk, Kiln's own layout: config.json (``model_type`` kiln_hybrid, the ModelConfig
 under ``model``, the image token's id) and model.safetensors under the module names."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,11 @@ def save_hybrid(model: HybridForCausalLM, folder: Path) -> None:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = {"model_type": "kiln_hybrid", "image_token_id": model.image_token_id,
-           "model": json.loads(model.config.to_json())}
+    cfg = {
+        "model_type": "kiln_hybrid",
+        "image_token_id": model.image_token_id,
+        "model": json.loads(model.config.to_json()),
+    }
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})

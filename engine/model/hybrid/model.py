@@ -4,6 +4,7 @@ engine.config.ModelConfig from the debug model to the flagship.
 
 Legend: B batch, T tokens, D hidden, N images.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,21 +42,55 @@ class HybridLayer(nn.Module):
         self.kind = c.layer_kinds[i]
         k, d, m = c.kda, c.dsa, c.moe
         if self.kind == "kda":
-            self.self_attn = KimiDeltaAttention(c.hidden, k.heads, k.head_dim, k.conv, c.rms_eps,
-                                                k.gate_lower_bound, k.full_rank_gate)
+            self.self_attn = KimiDeltaAttention(
+                c.hidden, k.heads, k.head_dim, k.conv, c.rms_eps, k.gate_lower_bound, k.full_rank_gate
+            )
         else:
-            self.self_attn = GatedDSAttention(c.hidden, d.heads, d.q_lora_rank, d.kv_lora_rank, d.qk_nope, d.qk_rope,
-                                              d.v_dim, d.index_heads, d.index_head_dim, d.index_topk,
-                                              rope_theta=c.rope_theta, eps=c.rms_eps, gated=d.gated, rope=d.rope)
-        self.mlp = (MLP(c.hidden, m.dense_inter, c.activation) if i < m.first_dense else
-                    MoE(c.hidden, m.experts, m.top_k, m.inter, m.shared * m.inter, latent=m.latent,
-                        act=c.activation, eps=c.rms_eps, scale=m.routed_scale, groups=m.groups,
-                        topk_group=m.topk_group))
+            self.self_attn = GatedDSAttention(
+                c.hidden,
+                d.heads,
+                d.q_lora_rank,
+                d.kv_lora_rank,
+                d.qk_nope,
+                d.qk_rope,
+                d.v_dim,
+                d.index_heads,
+                d.index_head_dim,
+                d.index_topk,
+                rope_theta=c.rope_theta,
+                eps=c.rms_eps,
+                gated=d.gated,
+                rope=d.rope,
+            )
+        self.mlp = (
+            MLP(c.hidden, m.dense_inter, c.activation)
+            if i < m.first_dense
+            else MoE(
+                c.hidden,
+                m.experts,
+                m.top_k,
+                m.inter,
+                m.shared * m.inter,
+                latent=m.latent,
+                act=c.activation,
+                eps=c.rms_eps,
+                scale=m.routed_scale,
+                groups=m.groups,
+                topk_group=m.topk_group,
+            )
+        )
         self.input_layernorm = RMSNorm(c.hidden, c.rms_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden, c.rms_eps)
 
-    def forward(self, res: Residuals, i: int, cu: torch.Tensor | None, positions_BT: torch.Tensor | None,
-                doc_ids_BT: torch.Tensor | None, cp=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        res: Residuals,
+        i: int,
+        cu: torch.Tensor | None,
+        positions_BT: torch.Tensor | None,
+        doc_ids_BT: torch.Tensor | None,
+        cp=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``: attention, then the MLP, each reading its AttnRes site and adding its output
         to ``res``. Returns both outputs (FSDP's hooks need the block to return what it made).
         ``cp``: a context-parallel rank's slice (engine.parallel.context)."""
@@ -81,8 +116,9 @@ class HybridForCausalLM(CausalLM, nn.Module):
         self.image_token_id = image_token_id
         if c.vision:
             tokens = (c.vision.image_size // c.vision.patch_size) ** 2
-            self.vision_tower = VisionTower(c.vision.patch_size, c.hidden, tokens, c.rms_eps, c.vision.layers,
-                                            c.vision.heads)
+            self.vision_tower = VisionTower(
+                c.vision.patch_size, c.hidden, tokens, c.rms_eps, c.vision.layers, c.vision.heads
+            )
             self.multi_modal_projector = nn.Linear(c.hidden, c.hidden)
 
     @property
@@ -96,19 +132,29 @@ class HybridForCausalLM(CausalLM, nn.Module):
     def indexer_loss(self) -> torch.Tensor | None:
         """The DSA indexers' KL losses of the last training forward, summed (None in eval, and
         where no indexer has a trainable parameter: LoRA that leaves them out)."""
-        losses = [l.self_attn.last_indexer_loss for l in self.layers if l.kind == "dsa"
-                  and l.self_attn.last_indexer_loss is not None]
+        losses = [
+            l.self_attn.last_indexer_loss
+            for l in self.layers
+            if l.kind == "dsa" and l.self_attn.last_indexer_loss is not None
+        ]
         return torch.stack(losses).sum() if losses else None
 
-    def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
-               cp=None) -> torch.Tensor:
+    def hidden(
+        self,
+        input_ids_BT: torch.Tensor,
+        pixels_NCHW: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        positions_BT: torch.Tensor | None = None,
+        cp=None,
+    ) -> torch.Tensor:
         """The final norm's output [B, T, D]. ``cp``: the one row is a context-parallel rank's
         slice of a sequence (engine.parallel.context; text only)."""
         B, T = input_ids_BT.shape
         if doc_ids_BT is not None and B > 1:  # rows end to end: one KDA state per document
             pos = positions_BT.reshape(1, B * T) if positions_BT is not None else None
-            return self.hidden(input_ids_BT.reshape(1, B * T), pixels_NCHW, rows_end_to_end(doc_ids_BT), pos).view(B, T, -1)
+            return self.hidden(input_ids_BT.reshape(1, B * T), pixels_NCHW, rows_end_to_end(doc_ids_BT), pos).view(
+                B, T, -1
+            )
         x = self.embed_tokens(input_ids_BT)
         if pixels_NCHW is not None and pixels_NCHW.numel():
             if self.config.vision is None:

@@ -1,5 +1,6 @@
 """The built-in kimi-linear-tiny: Kimi Linear (3 KDA blocks : 1 MLA block, sigmoid-routed MoE) at
 test size, initialised from the fixed seed, saved in Kimi's checkpoint layout; text only."""
+
 from __future__ import annotations
 
 import math
@@ -16,11 +17,25 @@ from kiln.tokenizer import ByteTokenizer
 
 def kimi_linear_tiny_config() -> KimiLinearConfig:
     return KimiLinearConfig(
-        vocab_size=ByteTokenizer.vocab_size, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=4, num_attention_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32,
-        v_head_dim=32, layer_types=["linear_attention"] * 3 + ["full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_head_dim=32, linear_num_heads=4,
-        num_experts=8, num_experts_per_token=2, routed_scaling_factor=2.446, pad_token_id=256)
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        linear_head_dim=32,
+        linear_num_heads=4,
+        num_experts=8,
+        num_experts_per_token=2,
+        routed_scaling_factor=2.446,
+        pad_token_id=256,
+    )
 
 
 def init_kimi_linear(model: KimiLinearForCausalLM, seed: int) -> None:

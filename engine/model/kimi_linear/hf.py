@@ -5,6 +5,7 @@ grouped ``experts.gate_up_proj`` [E, 2I, D] (w1 = gate rows first, then w3 = up)
 ``conv1d`` over q|k|v, and the gate's parameters move under ``forget_gate``
 (``engine.model.common.names``).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,12 @@ def save_kimi_linear(model: KimiLinearForCausalLM, folder: Path) -> None:
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = {**asdict(model.config), "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
-           "num_key_value_heads": model.config.num_attention_heads}
+    cfg = {
+        **asdict(model.config),
+        "model_type": "kimi_linear",
+        "architectures": ["KimiLinearForCausalLM"],
+        "num_key_value_heads": model.config.num_attention_heads,
+    }
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(to_hf(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
 

@@ -7,6 +7,7 @@ layout (``block_sparse_moe.experts.N.w1``…) is converted in ``hf.py``.
 
 Legend: B batch, T tokens, D hidden, H heads, K head dim, V value dim, E experts, I expert width.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -53,9 +54,13 @@ class KimiLinearConfig:
     @classmethod
     def from_hf(cls, d: dict) -> KimiLinearConfig:
         """From a kimi_linear config.json (both the transformers names and Kimi's own)."""
-        alias = {"num_local_experts": "num_experts", "num_experts_per_tok": "num_experts_per_token",
-                 "n_shared_experts": "num_shared_experts", "n_group": "num_expert_group",
-                 "norm_topk_prob": "moe_renormalize"}
+        alias = {
+            "num_local_experts": "num_experts",
+            "num_experts_per_tok": "num_experts_per_token",
+            "n_shared_experts": "num_shared_experts",
+            "n_group": "num_expert_group",
+            "norm_topk_prob": "moe_renormalize",
+        }
         d = {alias.get(k, k): v for k, v in d.items()}
         lin = d.get("linear_attn_config") or {}
         if "layer_types" not in d and lin:  # the hub's own form: 1-based layer lists
@@ -82,7 +87,12 @@ class MLAttention(nn.Module):
 
     def __init__(self, c: KimiLinearConfig):
         super().__init__()
-        self.H, self.nope, self.rope, self.v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.H, self.nope, self.rope, self.v = (
+            c.num_attention_heads,
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
         self.rank = c.kv_lora_rank
         D = c.hidden_size
         self.q_proj = nn.Linear(D, self.H * (self.nope + self.rope), bias=False)
@@ -114,13 +124,28 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: KimiLinearConfig, i: int):
         super().__init__()
         self.kind = c.layer_types[i]
-        self.self_attn = (MLAttention(c) if self.kind == "full_attention" else
-                          KimiDeltaAttention(c.hidden_size, c.linear_num_heads, c.linear_head_dim,
-                                             c.linear_conv_kernel_dim, c.rms_norm_eps))
-        self.mlp = (MoE(c.hidden_size, c.num_experts, c.num_experts_per_token, c.moe_intermediate_size,
-                        c.num_shared_experts * c.moe_intermediate_size, groups=c.num_expert_group,
-                        topk_group=c.topk_group, renorm=c.moe_renormalize, scale=c.routed_scaling_factor)
-                    if c.mlp_layer_types[i] == "sparse" else MLP(c.hidden_size, c.intermediate_size))
+        self.self_attn = (
+            MLAttention(c)
+            if self.kind == "full_attention"
+            else KimiDeltaAttention(
+                c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim, c.rms_norm_eps
+            )
+        )
+        self.mlp = (
+            MoE(
+                c.hidden_size,
+                c.num_experts,
+                c.num_experts_per_token,
+                c.moe_intermediate_size,
+                c.num_shared_experts * c.moe_intermediate_size,
+                groups=c.num_expert_group,
+                topk_group=c.topk_group,
+                renorm=c.moe_renormalize,
+                scale=c.routed_scaling_factor,
+            )
+            if c.mlp_layer_types[i] == "sparse"
+            else MLP(c.hidden_size, c.intermediate_size)
+        )
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -146,9 +171,14 @@ class KimiLinearForCausalLM(CausalLM, nn.Module):
         self.model = KimiLinearCore(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None,
-               cp=None) -> torch.Tensor:
+    def hidden(
+        self,
+        input_ids_BT: torch.Tensor,
+        pixels_NCHW: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        positions_BT: torch.Tensor | None = None,
+        cp=None,
+    ) -> torch.Tensor:
         """The final norm's output [B, T, D]. The rows are laid end to end as one sequence, cut
         into documents: the rows, or with ``doc_ids_BT`` (packed rows) every document, each
         starting afresh (a KDA state and a convolution per document, attention inside it). No

@@ -1,4 +1,5 @@
 """The built-in kiln-tiny: TinyConfig's defaults, GPT-2's initialisation from the fixed seed."""
+
 from __future__ import annotations
 
 from pathlib import Path

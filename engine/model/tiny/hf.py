@@ -1,5 +1,6 @@
 """kiln-tiny on disk: config.json (the TinyConfig, ``model_type`` kiln_tiny) and
 model.safetensors under the module names."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,9 @@ from engine.model.tiny.model import TinyConfig, TinyForCausalLM
 
 def save_pretrained(model: TinyForCausalLM, folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({**asdict(model.config), "architectures": ["KilnTinyForCausalLM"]}, indent=2))
+    (folder / "config.json").write_text(
+        json.dumps({**asdict(model.config), "architectures": ["KilnTinyForCausalLM"]}, indent=2)
+    )
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
 
 

@@ -5,6 +5,7 @@ tensors keep those names.
 
 Legend: B batch, T tokens, D hidden, H heads, K head dim, N images, P patches per image.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,7 @@ def rope(x_BHTK: torch.Tensor, theta: float, positions_BT: torch.Tensor | None) 
     pos = torch.arange(T, device=x_BHTK.device) if positions_BT is None else positions_BT[:, None, :]
     ang = pos.float().unsqueeze(-1) * inv  # [T, K/2] or [B, 1, T, K/2]
     cos, sin = ang.cos().to(x_BHTK.dtype), ang.sin().to(x_BHTK.dtype)
-    x1, x2 = x_BHTK[..., : K // 2], x_BHTK[..., K // 2:]
+    x1, x2 = x_BHTK[..., : K // 2], x_BHTK[..., K // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -114,8 +115,13 @@ class TinyForCausalLM(CausalLM, nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.image_tokens, self.image_size = config.image_tokens, config.image_size
 
-    def hidden(self, input_ids_BT: torch.Tensor, pixels_NCHW: torch.Tensor | None = None,
-               doc_ids_BT: torch.Tensor | None = None, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(
+        self,
+        input_ids_BT: torch.Tensor,
+        pixels_NCHW: torch.Tensor | None = None,
+        doc_ids_BT: torch.Tensor | None = None,
+        positions_BT: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The final norm's output [B, T, D]. Each image fills the next run of image tokens. With
         ``doc_ids_BT``
         (packed rows) a token attends only to earlier tokens of its own document."""
