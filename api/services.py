@@ -192,6 +192,7 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
             param="hyperparameters.parallel.cp_size",
         )
     train = _dataset_file(session, owner, req.training_file, "training_file", ("jsonl", "zip"))
+    assert train is not None  # training_file is required
     valid = _dataset_file(session, owner, req.validation_file, "validation_file", ("jsonl", "zip"))
     images = _dataset_file(session, owner, req.images_file, "images_file", ("zip",))
     length = catalog.length_bound(req.model, hp.get("max_seq_len"))
@@ -240,7 +241,7 @@ def cancel_job(session: Session, owner: str, job_id: str) -> Job:
             .where(Job.id == job.id, Job.status.in_(("validating_files", "queued")))
             .values(status="cancelled", finished_at=now(), cancel_requested=True)
         )
-        if res.rowcount:
+        if res.rowcount:  # type: ignore[attr-defined]  # an UPDATE's Result is a CursorResult
             add_event(session, job.id, "Job cancelled before it started")
     if not job.cancel_requested:
         session.execute(update(Job).where(Job.id == job.id).values(cancel_requested=True))

@@ -90,12 +90,14 @@ async def receive(request: Request, store: LocalStore, limit: int, file_field: s
         if out.upload is not None:
             await run_in_threadpool(out.upload.finish)
     except TooLarge as e:
-        out.upload and out.upload.abort()
+        if out.upload:
+            out.upload.abort()
         raise ApiError(
             413, f"File is larger than the upload limit of {e.limit} bytes", param="file", code="file_too_large"
         ) from e
     except ApiError:
-        out.upload and out.upload.abort()
+        if out.upload:
+            out.upload.abort()
         raise
     except Exception as e:  # client went away, malformed body, disk full: keep nothing
         if out.upload:

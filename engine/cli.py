@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -83,7 +84,7 @@ def load_spec(path: Path, job_id: str | None) -> JobSpec:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    parts = {}
+    parts: dict[str, Any] = {}
     for name, cls in (("lora", LoraSpec), ("memory", MemorySpec), ("parallel", ParallelSpec)):
         part = raw.pop(name, None) or {}
         unknown = sorted(set(part) - {f.name for f in fields(cls)})
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if result.status != "succeeded":
         print(f"stopped after {result.final_metrics.get('step', 0)} steps; resume with --resume", flush=True)
         return 1
+    assert result.adapter_key is not None  # a run that succeeded saved its adapter
     print(f"adapter: {store.path(result.adapter_key)}", flush=True)
     return 0
 

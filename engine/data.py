@@ -76,7 +76,7 @@ class ImageCache:
 def image_tensor(data: bytes, size: int) -> torch.Tensor:
     """RGB, resized to size x size, scaled to [-1, 1]. Shape [3, size, size]."""
     with Image.open(io.BytesIO(data)) as img:
-        img = img.convert("RGB").resize((size, size), Image.BICUBIC)
+        img = img.convert("RGB").resize((size, size), Image.Resampling.BICUBIC)
         raw = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8)
     return raw.view(size, size, 3).permute(2, 0, 1).float().div(127.5).sub(1.0)
 

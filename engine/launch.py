@@ -103,8 +103,8 @@ def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
     root = getattr(store, "root", None)
     if root is None:
         raise ValueError("a parallel job needs a store in a folder (kiln.store.LocalStore)")
-    with tempfile.TemporaryDirectory(prefix="kiln-launch-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="kiln-launch-") as tmp_name:
+        tmp = Path(tmp_name)
         (tmp / "spec.json").write_text(spec.to_json())
         events, stop, log = tmp / "events.jsonl", tmp / "stop", tmp / "torchrun.log"
         events.touch()

@@ -45,7 +45,8 @@ class Trainer:
         self.ranks = ranks_for(mesh)
         self.objective = objective_for(spec)
         self.checkpointer = checkpointer_for(store, self.objective, self.ranks)
-        self.step_no, self.tokens, self.skipped, self.metrics = 0, 0, 0, {}
+        self.step_no, self.tokens, self.skipped = 0, 0, 0
+        self.metrics: dict[str, float] = {}
         self.order: tuple[int, list[list[int]]] = (-1, [])
 
     def setup(self) -> None:

@@ -14,6 +14,7 @@ exception class of their status, carrying the server's message.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import random
@@ -23,14 +24,19 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
 
 from kiln.errors import APIConnectionError, from_response
 from kiln.types import ApiKeyInfo, Checkpoint, FileObject, Job, JobEvent, Model
 
-T = TypeVar("T")
+
+class _Listed(Protocol):
+    id: str
+
+
+T = TypeVar("T", bound=_Listed)
 DEFAULT_URL = "http://127.0.0.1:8000"
 RETRY_STATUS = (408, 429)
 
@@ -105,7 +111,7 @@ class Client:
         hdrs = {"Authorization": f"Bearer {self.api_key}", **(headers or {})}
         if method == "POST":
             hdrs.setdefault("Idempotency-Key", f"kiln-{uuid.uuid4()}")
-        extra = {} if timeout is ... else {"timeout": timeout}
+        extra: dict[str, Any] = {} if timeout is ... else {"timeout": timeout}
         for attempt in range(self.max_retries + 1):
             req = self._http.build_request(
                 method,
@@ -243,12 +249,12 @@ class Jobs:
     def cancel(self, job_id: str) -> Job:
         return Job(**self._c._json("POST", f"/v1/fine_tuning/jobs/{job_id}/cancel"))
 
-    def events(self, job_id: str, limit: int = 100) -> list[JobEvent]:
+    def events(self, job_id: str, limit: int = 100) -> builtins.list[JobEvent]:  # builtins: Jobs.list shadows list here
         """Every event, oldest first."""
         events = list(Page(self._c, f"/v1/fine_tuning/jobs/{job_id}/events", JobEvent, {"limit": limit}))
         return events[::-1]
 
-    def checkpoints(self, job_id: str) -> list[Checkpoint]:
+    def checkpoints(self, job_id: str) -> builtins.list[Checkpoint]:
         return list(Page(self._c, f"/v1/fine_tuning/jobs/{job_id}/checkpoints", Checkpoint, {"limit": 100}))
 
     def stream(self, job_id: str, after: int = 0) -> Iterator[JobEvent]:

@@ -23,7 +23,7 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, Any
 
 IMAGE_TOKEN = "<image>"
 ROLES = ("system", "user", "assistant")
@@ -90,7 +90,7 @@ class Report:
         self.histogram[bound] = self.histogram.get(bound, 0) + 1
 
     def stats(self) -> dict:
-        out = {
+        out: dict[str, Any] = {
             "examples": self.examples,
             "messages": self.messages,
             "images": self.images,
@@ -225,7 +225,7 @@ def parse_line(line: int, raw: bytes | str, max_line_bytes: int = 8 << 20) -> tu
     return Example(line, messages, [str(r) for r in images]), []
 
 
-def bounded_lines(f: BinaryIO, limit: int) -> Iterator[bytes]:
+def bounded_lines(f: IO[bytes], limit: int) -> Iterator[bytes]:
     """The lines of a binary file, none longer than ``limit + 1`` bytes in memory: an oversized
     line is cut (so parse_line reports it) and the rest of it skipped in chunks."""
     while True:
@@ -341,10 +341,10 @@ class DatasetSource:
         self.data = Path(data)
         self._zip = zipfile.ZipFile(self.data) if zipfile.is_zipfile(self.data) else None
         self._images = zipfile.ZipFile(images_zip) if images_zip else None
-        self.jsonl_member = self._find_jsonl() if self._zip else None
+        self.jsonl_member = self._find_jsonl(self._zip) if self._zip else None
 
-    def _find_jsonl(self) -> str:
-        names = [n for n in self._zip.namelist() if n.endswith(".jsonl") and not n.startswith("__MACOSX/")]
+    def _find_jsonl(self, zf: zipfile.ZipFile) -> str:
+        names = [n for n in zf.namelist() if n.endswith(".jsonl") and not n.startswith("__MACOSX/")]
         if not names:
             raise DatasetError([Issue(0, "", "the archive holds no .jsonl file")])
         if len(names) > 1:
@@ -361,8 +361,11 @@ class DatasetSource:
             names = preferred
         return names[0]
 
-    def open_jsonl(self) -> BinaryIO:
-        return self._zip.open(self.jsonl_member) if self._zip else open(self.data, "rb")
+    def open_jsonl(self) -> IO[bytes]:
+        if self._zip:
+            assert self.jsonl_member is not None  # found with the archive
+            return self._zip.open(self.jsonl_member)
+        return open(self.data, "rb")
 
     def lines(self, max_line_bytes: int = 8 << 20) -> Iterator[bytes]:
         with self.open_jsonl() as f:
@@ -371,6 +374,7 @@ class DatasetSource:
     def _lookup(self, ref: str) -> tuple[zipfile.ZipFile, str] | None:
         ref = posixpath.normpath(ref.replace("\\", "/"))
         if self._zip:
+            assert self.jsonl_member is not None  # found with the archive
             root = posixpath.dirname(self.jsonl_member)
             name = posixpath.join(root, ref) if root else ref
             if name in self._zip.NameToInfo:

@@ -44,7 +44,7 @@ def reap_once() -> list[str]:
     for job_id in candidates:
         with session_scope() as s:
             res = s.execute(update(Job).where(Job.id == job_id, stale).values(enqueued_at=t))
-            if res.rowcount != 1:
+            if res.rowcount != 1:  # type: ignore[attr-defined]  # an UPDATE's Result is a CursorResult
                 continue
             status = s.scalar(select(Job.status).where(Job.id == job_id))
             if status == "running":

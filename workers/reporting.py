@@ -34,7 +34,8 @@ def _retrying(write):
 class DBReporter:
     def __init__(self, job_id: str, token: str, poll_seconds: float = 1.0):
         self.job_id, self.token, self.poll_seconds = job_id, token, poll_seconds
-        self._next_poll, self._stop = 0.0, None
+        self._next_poll = 0.0
+        self._stop: str | None = None
         self.lease_lost = False  # set by the heartbeat thread too
 
     def message(self, text: str, level: str = "info", data: dict[str, Any] | None = None) -> None:
@@ -64,6 +65,7 @@ class DBReporter:
 
     def _resolved(self, s: Session, hyperparameters: dict[str, Any]) -> None:
         job = s.scalar(select(Job).where(Job.id == self.job_id))
+        assert job is not None  # the job row outlives its run
         job.hyperparameters = {
             **job.hyperparameters,
             **{k: hyperparameters[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")},

@@ -38,9 +38,10 @@ def claim(job_id: str, token: str) -> Job | None:
             )
             .values(lease_token=token, lease_expires=t + settings.lease_seconds, attempt=Job.attempt + 1)
         )
-        if res.rowcount != 1:
+        if res.rowcount != 1:  # type: ignore[attr-defined]  # an UPDATE's Result is a CursorResult
             return None
         job = s.scalar(select(Job).where(Job.id == job_id))
+        assert job is not None  # its lease was just taken
         if job.cancel_requested:
             job.status, job.finished_at, job.lease_token = "cancelled", now(), None
             s.add(JobEvent(job_id=job_id, message="Job cancelled"))
@@ -61,10 +62,9 @@ def build_spec(job: Job) -> JobSpec:
     store = get_store()
     with session_scope() as s:
 
-        def path(file_id: str | None) -> str | None:
-            if file_id is None:
-                return None
+        def path(file_id: str) -> str:
             f = s.scalar(select(File).where(File.id == file_id))
+            assert f is not None  # the job's files were checked when it was created
             return str(store.object_path(f.sha256))
 
         last = s.scalar(select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step.desc()).limit(1))
@@ -73,8 +73,8 @@ def build_spec(job: Job) -> JobSpec:
             job_id=job.id,
             model=job.model,
             training_file=path(job.training_file),
-            validation_file=path(job.validation_file),
-            images_file=path(job.images_file),
+            validation_file=path(job.validation_file) if job.validation_file is not None else None,
+            images_file=path(job.images_file) if job.images_file is not None else None,
             n_epochs=hp.get("n_epochs", "auto"),
             batch_size=hp.get("batch_size", "auto"),
             learning_rate_multiplier=hp.get("learning_rate_multiplier", "auto"),

@@ -116,6 +116,7 @@ async def upload_file(
     if prior:
         return prior
     received = await receive(request, store, get_settings().max_upload_bytes)
+    assert received.upload is not None  # receive() answers 400 when the form has no file part
     purpose = received.fields.get("purpose", "")
     if purpose not in PURPOSES:
         received.upload.abort()

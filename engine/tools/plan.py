@@ -237,7 +237,7 @@ def kimi_linear_memory(
     (what it leaves out: the recomputed block's gradients in flight)."""
     T = -(-tokens // cp)
     total, wide = kimi_linear_parameters(c)
-    weights = 2 * (total - wide) + 4 * wide
+    weights: float = 2 * (total - wide) + 4 * wide
     if cp > 1:  # FSDP shards them over the ranks, and gathers a layer (and prefetches the next) at a time
         weights = weights / cp + 2 * 2 * (total - 2 * c.vocab_size * c.hidden_size) / c.num_hidden_layers
     layers = [kimi_linear_token_bytes(c, i) for i in range(c.num_hidden_layers)]

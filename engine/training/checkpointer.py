@@ -75,6 +75,7 @@ class Sharded(SingleFile):
         with self.store.publish_dir(key) if mesh.rank == 0 else _nothing() as folder:
             box = [str(folder) if folder else None]
             dist.broadcast_object_list(box, src=0)
+            assert box[0] is not None  # rank 0 published the folder
             folder = Path(box[0])
             dcp.save(folder / "dcp", model, mesh, opt, everything=full)
             gathered = full_tensors(model, mesh, self.objective.trained_names(model)) if not full else None

@@ -6,6 +6,7 @@ rank 0's stop holds for all, the model is sharded by ``engine.parallel.fsdp.para
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,13 +14,18 @@ from engine.data import collate
 from engine.lora import store_frozen
 from engine.spec import Reporter
 
+if TYPE_CHECKING:
+    from engine.parallel.mesh import Mesh
+
 
 def share(items: list, world: int, rank: int, parts: int | None = None, size: int | None = None) -> list[list]:
     """Data group ``rank`` of ``world``'s share of ``items`` (items rank, rank + world, ...) cut
     into ``parts`` contiguous lists, or lists of ``size``. Every group gets as many lists (an
     empty one stands for nothing: collectives need every rank in every forward)."""
     mine, per = items[rank::world], math.ceil(len(items) / world)
-    size = size or max(1, math.ceil(per / parts))
+    if not size:
+        assert parts is not None  # one of parts and size is given
+        size = max(1, math.ceil(per / parts))
     return [mine[i * size : (i + 1) * size] for i in range(math.ceil(per / size))]
 
 
@@ -30,7 +36,7 @@ class Single:
 
     def __init__(self, device: torch.device | None = None):
         self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.mesh = None
+        self.mesh: Mesh | None = None
 
     def share(self, items: list, parts: int | None = None, size: int | None = None) -> list[list]:
         return share(items, 1, 0, parts, size)
@@ -38,7 +44,9 @@ class Single:
     def batch(self, samples: list, pad: int, pack_to: int | None) -> tuple[dict, object, int]:
         """The collated batch, no context-parallel shard, and the rows it packed."""
         batch = collate(samples, pad, pack_to)
-        return batch, None, batch["input_ids_BT"].shape[0]
+        ids = batch["input_ids_BT"]
+        assert ids is not None  # collate always gives the ids
+        return batch, None, ids.shape[0]
 
     def sum(self, *values: float) -> list[float]:
         return list(values)
@@ -60,14 +68,16 @@ class Single:
     def where(self) -> str:
         return self.device.type
 
-    def whole(self, model: torch.nn.Module, model_dir) -> torch.nn.Module:
+    def whole(self, model: torch.nn.Module, model_dir) -> torch.nn.Module | None:
         return model
 
 
 class MeshRanks(Single):
     """torchrun's ranks on a mesh; rank 0 reports."""
 
-    def __init__(self, mesh):
+    mesh: Mesh
+
+    def __init__(self, mesh: Mesh):
         super().__init__(mesh.device)
         self.mesh, self.rank0 = mesh, mesh.rank == 0
 
@@ -82,7 +92,9 @@ class MeshRanks(Single):
         from engine.parallel.context import split
 
         batch = collate(samples, pad, pack_to)
-        rows = batch["input_ids_BT"].shape[0]
+        ids = batch["input_ids_BT"]
+        assert ids is not None  # collate always gives the ids
+        rows = ids.shape[0]
         m = self.mesh
         return *split(batch, pad, m.cp_group, m.cp_rank, m.cp), rows if m.cp_rank == 0 else 0
 

@@ -125,7 +125,7 @@ def _sdpa(q, k, v, L: int, scale: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2).flatten(0, 1)
 
 
-BACKENDS = {"flash": _Flash, "efficient": _Efficient, "sdpa": None}
+BACKENDS: dict[str, type[_Flash] | type[_Efficient] | None] = {"flash": _Flash, "efficient": _Efficient, "sdpa": None}
 
 
 def varlen_attention(
@@ -152,4 +152,6 @@ def varlen_attention(
         backend = "flash"
     (dq, max_q), (dk, max_k) = _offsets(cu_q, q_THD.device), _offsets(cu_k, q_THD.device)
     q, k, v = (x.contiguous() for x in (q, k, v))
-    return BACKENDS[backend].apply(q, k, v, dq, dk, max_q, max_k, scale)
+    fn = BACKENDS[backend]
+    assert fn is not None  # sdpa fell back to flash above
+    return fn.apply(q, k, v, dq, dk, max_q, max_k, scale)

@@ -5,6 +5,8 @@ by device."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from kiln_kernels.conv import reference
@@ -14,6 +16,7 @@ from kiln_kernels.dispatch import fast
 def short_conv(
     x_BTC: torch.Tensor, weight_C1W: torch.Tensor, cu_seqlens: torch.Tensor | None = None, head_norm: int = 0
 ) -> torch.Tensor:
+    impl: ModuleType  # the Triton module or the reference
     if fast(x_BTC, weight_C1W):
         from kiln_kernels.conv import triton as impl  # imports triton: CUDA machines only
     else:

@@ -4,6 +4,8 @@ decay gate likewise: ``reference.kda_gate`` and ``gate.py`` (CUDA, one fused pas
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from kiln_kernels.dispatch import fast
@@ -22,6 +24,7 @@ def kda_chunk(
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    impl: ModuleType  # the Triton module or the reference
     if fast(q, k, v, g, beta):
         from kiln_kernels.kda import triton as impl  # imports triton: CUDA machines only
     else:
@@ -35,6 +38,7 @@ def kda_gate(
     dt_bias_HK: torch.Tensor | None = None,
     lower_bound: float | None = None,
 ) -> torch.Tensor:
+    impl: ModuleType  # the Triton module or the reference
     if fast(g_raw_BTHK, A_log_H):
         from kiln_kernels.kda import gate as impl  # imports triton: CUDA machines only
     else:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from kiln_kernels.dispatch import fast
@@ -18,6 +20,7 @@ def linear_cross_entropy(
     vocab_chunk: int = 16384,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy over the targets, how many of them the argmax gets right)."""
+    impl: ModuleType  # the Triton module or the reference
     if fast(h_ND, W_VD):
         from kiln_kernels.loss import triton as impl  # imports triton: CUDA machines only
     else:

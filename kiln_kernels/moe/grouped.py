@@ -146,11 +146,12 @@ def _project_back(
     autograd's backward of ``gmm`` runs (rows: dy W_e; weights: dy_e^T h_e), summed as it sums."""
     dA = dB = dt = dh = None
     if A is not None:
+        assert B is not None and t is not None  # the LoRA pair comes whole, with its product
         dB = torch._grouped_mm(dy.t(), t, offs=offs)
         dt = torch._grouped_mm(dy, B, offs=offs) * s
         dA = torch._grouped_mm(dt.t(), h, offs=offs)
     if need_dh:
         dh = torch._grouped_mm(dy, W, offs=offs)
-        if dt is not None:
+        if dt is not None and A is not None:  # dt is set only with A
             dh = dh + torch._grouped_mm(dt, A, offs=offs)
     return dh, dA, dB

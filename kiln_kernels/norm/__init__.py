@@ -4,6 +4,8 @@ device."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from kiln_kernels.dispatch import fast
@@ -11,6 +13,7 @@ from kiln_kernels.norm import reference
 
 
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    impl: ModuleType  # the Triton module or the reference
     if fast(x, weight_D):
         from kiln_kernels.norm import triton as impl  # imports triton: CUDA machines only
     else:
@@ -19,6 +22,7 @@ def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+    impl: ModuleType  # the Triton module or the reference
     if fast(x, gate, weight_D):
         from kiln_kernels.norm import triton as impl
     else:

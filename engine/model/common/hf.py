@@ -104,9 +104,9 @@ def stream_into(
     place. Returns what was loaded; raises on tensors without a place."""
     expected = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     loaded, unexpected = set(), []
-    for key, t in read_tensors(folder):
+    for disk, t in read_tensors(folder):
         t = t.to(dtype)
-        key = rename(key, t)
+        key = rename(disk, t)
         if key is None or experts.add(key, t):
             continue
         if key not in expected:
