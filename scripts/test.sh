@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install Kiln with its test dependencies, make sure PostgreSQL and Redis answer on 127.0.0.1,
-# and run the whole test suite (unit, and integration against real processes and services).
+# check lint, format and types (ruff, mypy), and run the whole test suite (unit, and integration
+# against real processes and services).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Debian packages: the services, and Chromium for the browser tests of the monitoring page.
@@ -26,4 +27,8 @@ source scripts/setup_env.sh server,engine,dev
 .venv/bin/python -m pip install -q --no-deps fla-core==0.6.0
 # Triton for its interpreter (the kernels' CPU tests), in .triton for that reason too.
 [ -d .triton/triton ] || .venv/bin/python -m pip install -q --no-deps --target .triton triton==3.6.0
+# Lint, format and types first: a finding fails the run before the suite starts.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
 exec .venv/bin/python -m pytest "$@"
