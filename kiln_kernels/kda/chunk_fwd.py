@@ -1,0 +1,239 @@
+"""KDA's forward kernels (the plan is in triton.py's docstring): ``_cumsum`` (Gamma, and dg
+reversed), ``_intra`` (A_qk, A_kk), ``_solve`` ((I + A_kk)^-1), ``_wu`` (W, U, the decayed keys
+and queries), ``_states`` (the chunks in order: S, V'), ``_output``."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kiln_kernels.kda.tiles import (
+    _beta,
+    _block,
+    _chunk_of,
+    _dot,
+    _earlier_keys,
+    _gamma,
+    _lower,
+    _mm,
+    _put,
+    _put_square,
+    _put_v,
+    _row,
+    _rows,
+    _spanned,
+    _square,
+    _state_ptrs,
+    _tile,
+    _tile_v,
+    _unit_inverse_row,
+    _walk,
+)
+
+
+@triton.jit
+def _cumsum(X, Y, CHUNKS, H, K, BK: tl.constexpr, REVERSE: tl.constexpr):
+    """Y = the chunk-local (reverse) cumulative sum of X along the tokens."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    bos, rows, ok, last = _rows(CHUNKS, c)
+    x = _tile(X, rows, ok, h, H, K, BK)
+    _put(Y, tl.cumsum(x, 0, reverse=REVERSE), rows, ok, h, H, K, BK)
+
+
+@triton.jit
+def _intra(
+    Q,
+    Kt,
+    BETA,
+    G,
+    AQK,
+    AKK,
+    CHUNKS,
+    scale,
+    H,
+    K,
+    BK: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+    SPAN: tl.constexpr,
+):
+    """Row block X of A_qk (j <= i) and A_kk (beta_i, j < i) of one chunk and head: the earlier
+    blocks as factored products; the diagonal block as one too where its decay allows
+    (``_spanned``), else column by column (written straight out, zeros above the diagonal)."""
+    cx, h = tl.program_id(0), tl.program_id(1)
+    c, X = cx // 4, cx % 4
+    bos, _, _, last = _rows(CHUNKS, c)
+    row0 = bos + X * 16
+    if row0 > last:
+        return
+    i16 = tl.arange(0, 16)
+    rX, okX, gX, g_r, qX, kX, bX = _block(Q, Kt, BETA, G, row0, last, h, H, scale, K, 0, BK)
+    dX = tl.exp(gX - g_r[None, :])
+    aq = qX * dX
+    ak = kX * dX
+    for J in range(0, X):
+        kJ = _earlier_keys(Kt, G, bos + J * 16, last, g_r, h, H, K, 0, BK)
+        _put_square(AQK, _dot(aq, tl.trans(kJ), DT, PREC), rX, okX, h, H, J * 16, 16)
+        _put_square(AKK, _dot(ak, tl.trans(kJ), DT, PREC) * bX[:, None], rX, okX, h, H, J * 16, 16)
+    _, fits = _spanned(G, row0, last, g_r, h, H, K, 0, BK, SPAN)
+    if fits:
+        kb = tl.trans(kX * tl.exp(g_r[None, :] - gX))
+        # fp32 operands (tf32 for bf16 inputs, as fla's): bf16 costs the factors' products precision
+        _put_square(
+            AQK, tl.where(i16[None, :] <= i16[:, None], _dot(aq, kb, tl.float32, PREC), 0.0), rX, okX, h, H, X * 16, 16
+        )
+        _put_square(
+            AKK,
+            tl.where(i16[None, :] < i16[:, None], _dot(ak, kb, tl.float32, PREC), 0.0) * bX[:, None],
+            rX,
+            okX,
+            h,
+            H,
+            X * 16,
+            16,
+        )
+    else:
+        base = (rX.to(tl.int64) * H + h) * 64 + X * 16
+        for j in range(16):
+            rj = tl.minimum(row0 + j, last)
+            kj = tl.where(row0 + j <= last, _row(Kt, rj, h, H, K, 0, BK), 0.0)
+            e = tl.exp(tl.where(i16[:, None] >= j, gX - _row(G, rj, h, H, K, 0, BK)[None, :], float("-inf")))
+            tl.store(AQK + base + j, tl.sum(qX * kj[None, :] * e, 1).to(AQK.dtype.element_ty), mask=okX)
+            colk = tl.sum(kX * kj[None, :] * tl.where(i16[:, None] > j, e, 0.0), 1) * bX
+            tl.store(AKK + base + j, colk, mask=okX)
+
+
+@triton.jit
+def _solve(AKK, MI, CHUNKS, H):
+    """Mi = (I + A_kk)^-1 by blocks of 16: the four diagonal blocks D_X by forward substitution
+    (side by side), then Mi_XJ = -D_X sum_{J <= L < X} A_XL Mi_LJ; into MI (the lower triangle)."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    bos, _, _, last = _rows(CHUNKS, c)
+    end = last + 1
+    i16 = tl.arange(0, 16)
+    r0, r1, r2, r3 = bos + i16, bos + 16 + i16, bos + 32 + i16, bos + 48 + i16
+    k0, k1, k2, k3 = r0 < end, r1 < end, r2 < end, r3 < end
+    low = i16[None, :] < i16[:, None]
+    A00 = tl.where(low, _square(AKK, r0, k0, h, H, 0, 16), 0.0)
+    A11 = tl.where(low, _square(AKK, r1, k1, h, H, 16, 16), 0.0)
+    A22 = tl.where(low, _square(AKK, r2, k2, h, H, 32, 16), 0.0)
+    A33 = tl.where(low, _square(AKK, r3, k3, h, H, 48, 16), 0.0)
+    D0 = tl.where(i16[:, None] == i16[None, :], 1.0, 0.0)
+    D1, D2, D3 = D0, D0, D0
+    for r in range(1, 16):
+        D0 = _unit_inverse_row(D0, A00, r, i16)
+        D1 = _unit_inverse_row(D1, A11, r, i16)
+        D2 = _unit_inverse_row(D2, A22, r, i16)
+        D3 = _unit_inverse_row(D3, A33, r, i16)
+    A10 = _square(AKK, r1, k1, h, H, 0, 16)
+    A20, A21 = _square(AKK, r2, k2, h, H, 0, 16), _square(AKK, r2, k2, h, H, 16, 16)
+    A30, A31, A32 = (
+        _square(AKK, r3, k3, h, H, 0, 16),
+        _square(AKK, r3, k3, h, H, 16, 16),
+        _square(AKK, r3, k3, h, H, 32, 16),
+    )
+    M10 = -_mm(D1, _mm(A10, D0))
+    M21 = -_mm(D2, _mm(A21, D1))
+    M32 = -_mm(D3, _mm(A32, D2))
+    M20 = -_mm(D2, _mm(A20, D0) + _mm(A21, M10))
+    M31 = -_mm(D3, _mm(A31, D1) + _mm(A32, M21))
+    M30 = -_mm(D3, _mm(A30, D0) + _mm(A31, M10) + _mm(A32, M20))
+    _put_square(MI, D0, r0, k0, h, H, 0, 16)
+    _put_square(MI, M10, r1, k1, h, H, 0, 16)
+    _put_square(MI, D1, r1, k1, h, H, 16, 16)
+    _put_square(MI, M20, r2, k2, h, H, 0, 16)
+    _put_square(MI, M21, r2, k2, h, H, 16, 16)
+    _put_square(MI, D2, r2, k2, h, H, 32, 16)
+    _put_square(MI, M30, r3, k3, h, H, 0, 16)
+    _put_square(MI, M31, r3, k3, h, H, 16, 16)
+    _put_square(MI, M32, r3, k3, h, H, 32, 16)
+    _put_square(MI, D3, r3, k3, h, H, 48, 16)
+
+
+@triton.jit
+def _wu(
+    Q,
+    Kt,
+    V,
+    BETA,
+    G,
+    MI,
+    W,
+    U,
+    KD,
+    QG,
+    CHUNKS,
+    scale,
+    H,
+    K,
+    VD,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """W = Mi (beta e^Gamma k), U = Mi (beta v) of one chunk and head; and the decayed keys and
+    queries the chunk-by-chunk kernels multiply with, KD = k e^(Gamma_C - Gamma), QG = q e^Gamma
+    (scaled), so that no exponential of a tile is left on their sequential path."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    bos, rows, ok, last = _rows(CHUNKS, c)
+    Mi = _lower(MI, rows, ok, h, H)
+    b = _beta(BETA, rows, ok, h, H)
+    k = _tile(Kt, rows, ok, h, H, K, BK)
+    gm = _gamma(G, rows, ok, last, h, H, K, 0, BK)
+    eg = tl.exp(gm)
+    _put(KD, k * tl.exp(_row(G, last, h, H, K, 0, BK)[None, :] - gm), rows, ok, h, H, K, BK)
+    _put(QG, _tile(Q, rows, ok, h, H, K, BK) * scale * eg, rows, ok, h, H, K, BK)
+    _put(W, _dot(Mi, k * eg * b[:, None], DT, PREC), rows, ok, h, H, K, BK)
+    _put(U, _dot(Mi, _tile(V, rows, ok, h, H, VD, BV) * b[:, None], DT, PREC), rows, ok, h, H, VD, BV)
+
+
+@triton.jit
+def _states(
+    KD,
+    W,
+    U,
+    G,
+    H0,
+    HS,
+    VN,
+    HT,
+    CHUNKS,
+    SEQ,
+    H,
+    K,
+    VD,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Per sequence, head and block of V, the chunks in order: HS[c] = the state at chunk c's
+    start, VN = U - W S; the final state into HT."""
+    n, h, v0, S, c0, c1, s0, s1 = _walk(H0, HAS_H0, SEQ, H, K, VD, BK, BV)
+    for c in range(c0, c1):
+        p, m = _state_ptrs(HS, c, h, H, K, VD, 0, v0, BK, BV)
+        tl.store(p, S.to(HS.dtype.element_ty), mask=m)
+        bos, rows, ok, last = _chunk_of(c, c0, s0, s1)
+        vn = _tile_v(U, rows, ok, h, H, VD, v0, BV) - _dot(_tile(W, rows, ok, h, H, K, BK), S, DT, PREC)
+        _put_v(VN, vn, rows, ok, h, H, VD, v0, BV)
+        S = S * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(
+            tl.trans(_tile(KD, rows, ok, h, H, K, BK)), vn, DT, PREC
+        )
+    p, m = _state_ptrs(HT, n, h, H, K, VD, 0, v0, BK, BV)
+    tl.store(p, S, mask=m)
+
+
+@triton.jit
+def _output(
+    QG, AQK, HS, VN, O, CHUNKS, H, K, VD, BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr
+):
+    """O = (q e^Gamma) S + A_qk V' for one chunk, head and block of V."""
+    c, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    v0 = vb * BV
+    bos, rows, ok, last = _rows(CHUNKS, c)
+    p, m = _state_ptrs(HS, c, h, H, K, VD, 0, v0, BK, BV)
+    o = _dot(_tile(QG, rows, ok, h, H, K, BK), tl.load(p, mask=m, other=0.0), DT, PREC)
+    o += _dot(_lower(AQK, rows, ok, h, H), _tile_v(VN, rows, ok, h, H, VD, v0, BV), DT, PREC)
+    _put_v(O, o, rows, ok, h, H, VD, v0, BV)
