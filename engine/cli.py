@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -31,49 +30,10 @@ import yaml
 
 import engine
 from engine.memory import check_spec
+from engine.reporting import ConsoleReporter
 from engine.spec import JobSpec, LoraSpec, MemorySpec, ParallelSpec, check_parallel
 from kiln.dataset import DatasetError
 from kiln.store import LocalStore
-
-
-class ConsoleReporter:
-    """Messages as lines, metrics as a progress bar (or lines when not on a terminal)."""
-
-    def __init__(self, tty: bool):
-        self.tty, self.stop, self.last_key = tty, None, None
-        self.t0 = time.monotonic()
-
-    def message(self, text, level="info", data=None):
-        self._clear()
-        print(f"[{level}] {text}", flush=True)
-
-    def metrics(self, step, values):
-        total = values.get("total_steps") or step
-        line = (
-            f"step {step}/{total} loss {values['train_loss']:.4f}"
-            + (f" valid {values['valid_loss']:.4f}" if "valid_loss" in values else "")
-            + f" {values.get('tokens_per_second', 0):.0f} tok/s"
-        )
-        if self.tty:
-            done = int(30 * step / total)
-            sys.stderr.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}  ")
-            sys.stderr.flush()
-        elif step % 10 == 0 or "valid_loss" in values or step == total:
-            print(line, flush=True)
-
-    def checkpoint(self, step, key, metrics):
-        self.last_key = key
-        self.message(f"checkpoint at step {step}: {key}")
-
-    def resolved(self, hyperparameters):
-        self.message("hyperparameters: " + ", ".join(f"{k}={v}" for k, v in hyperparameters.items()))
-
-    def should_stop(self):
-        return self.stop
-
-    def _clear(self):
-        if self.tty:
-            sys.stderr.write("\r" + " " * 100 + "\r")
 
 
 def load_spec(path: Path, job_id: str | None) -> JobSpec:

@@ -22,51 +22,12 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
+from engine.reporting import FileReporter, SilentReporter
 from engine.spec import JobSpec, Reporter, Store, TrainResult
 
 POLL_S = 0.2
-
-
-class FileReporter:
-    """Rank 0's reporter: every call a JSON line; ``should_stop`` reads the stop file, and says
-    ``lease_lost`` once the process that launched the run (``KILN_LAUNCHER_PID``) is gone: a
-    worker killed mid-job must not leave a run training beside the one that resumes the job."""
-
-    def __init__(self, events: Path, stop: Path):
-        self.events, self.stop = events.open("a", buffering=1), stop
-        self.launcher = int(os.environ.get("KILN_LAUNCHER_PID", 0))
-
-    def _write(self, kind: str, **fields: Any) -> None:
-        self.events.write(json.dumps({"kind": kind, **fields}, default=str) + "\n")
-
-    def message(self, text: str, level: str = "info", data: dict | None = None) -> None:
-        self._write("message", text=text, level=level, data=data)
-
-    def metrics(self, step: int, values: dict) -> None:
-        self._write("metrics", step=step, values=values)
-
-    def checkpoint(self, step: int, key: str, metrics: dict) -> None:
-        self._write("checkpoint", step=step, key=key, metrics=metrics)
-
-    def resolved(self, hyperparameters: dict) -> None:
-        self._write("resolved", hyperparameters=hyperparameters)
-
-    def should_stop(self) -> str | None:
-        if self.launcher and not _alive(self.launcher):
-            return "lease_lost"
-        return self.stop.read_text().strip() or None if self.stop.exists() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _die_with_parent() -> None:
@@ -76,17 +37,6 @@ def _die_with_parent() -> None:
     import signal
 
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class SilentReporter:
-    """The other ranks': they train, rank 0 speaks."""
-
-    def message(self, text, level="info", data=None): ...
-    def metrics(self, step, values): ...
-    def checkpoint(self, step, key, metrics): ...
-    def resolved(self, hyperparameters): ...
-    def should_stop(self):
-        return None
 
 
 def _replay(line: str, reporter: Reporter) -> dict | None:
