@@ -142,18 +142,19 @@ def main(argv: list[str]) -> NoReturn:
     a = p.parse_args(argv)
     spec = JobSpec.from_json(a.spec.read_text())
     mesh = init_mesh(spec.parallel.ep_size, spec.parallel.cp_size)
-    reporter = FileReporter(a.events, a.stop) if mesh.rank == 0 else SilentReporter()
+    writer = FileReporter(a.events, a.stop) if mesh.rank == 0 else None  # rank 0 speaks
+    reporter = writer or SilentReporter()
     try:
         result = train(spec, LocalStore(a.store), reporter, mesh)
     except Exception as e:
-        if mesh.rank == 0:
+        if writer is not None:
             issues = (
                 [asdict(i) for i in e.issues] if hasattr(e, "issues") else None
             )  # a DatasetError's lines and fields
-            reporter._write("error", type=type(e).__name__, message=str(e), issues=issues)
+            writer._write("error", type=type(e).__name__, message=str(e), issues=issues)
         raise
-    if mesh.rank == 0:
-        reporter._write("result", result=asdict(result))
+    if writer is not None:
+        writer._write("result", result=asdict(result))
     close_mesh()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import overload
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -32,7 +33,7 @@ def frozen_linear(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None = Non
     through ``kiln_kernels.dispatch.kept`` as "projection": Swap Core can keep it (``cache_ops:
     projections``) with no dispatch mode, and the recompute then skips the matmul."""
     dt = _autocast_dtype(x)
-    x, W, b = (_cast(t, dt) for t in (x, W, b))
+    x, W, b = _cast(x, dt), _cast(W, dt), _cast(b, dt)
     with torch.autocast(x.device.type, enabled=False):
         return _FrozenLinear.apply(x, W, b)
 
@@ -58,7 +59,7 @@ def lora_linear(
     ``kiln_kernels.dispatch.kept`` as "projection": kept, the recompute skips the base product, both
     factor products, the scaling and the sum, and casts x once for the backward."""
     dt = _autocast_dtype(x)
-    W, b = (_cast(t, dt) for t in (W, b))
+    W, b = _cast(W, dt), _cast(b, dt)
     with torch.autocast(x.device.type, enabled=False):
         return _LoRAProduct.apply(x, W, b, A, B, scaling, dt)
 
@@ -67,6 +68,14 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast casts matmul inputs on x's device to; None where autocast is off."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+@overload
+def _cast(t: torch.Tensor, dt: torch.dtype | None) -> torch.Tensor: ...
+@overload
+def _cast(t: None, dt: torch.dtype | None) -> None: ...
+@overload
+def _cast(t: torch.Tensor | None, dt: torch.dtype | None) -> torch.Tensor | None: ...
 
 
 def _cast(t: torch.Tensor | None, dt: torch.dtype | None) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ names of the module tree.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -28,7 +29,7 @@ def _params(model: nn.Module, everything: bool) -> dict[str, nn.Parameter]:
 
 def _state(model: nn.Module, mesh: Mesh | None, opt: torch.optim.Optimizer | None, everything: bool) -> dict:
     params = _params(model, everything)
-    state = {"model": global_view(model, mesh, params)}
+    state: dict[str, Any] = {"model": global_view(model, mesh, params)}
     if everything:  # the routers' balancing biases too (whole on every rank)
         keys = set(model.state_dict())
         state["buffers"] = {n: b for n, b in model.named_buffers() if n in keys}

@@ -17,6 +17,7 @@ Every parameter then lives on exactly one rank in one piece (a shard of an FSDP 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,7 @@ def _expert_params(model: nn.Module) -> dict[str, int]:
     return out
 
 
-def global_view(model: nn.Module, mesh: Mesh | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def global_view(model: nn.Module, mesh: Mesh | None, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` (named like the model's parameters: the parameters themselves, or their
     optimizer states) with each shard labelled by its place in the full tensor. Non-expert
     shards already are (FSDP's DTensors over all ranks); an expert shard is FSDP's piece of this

@@ -188,9 +188,9 @@ def find_source(ckpt: Checkpoint, fqn: str, experts: int) -> _Source:
                     return _Source(ckpt, keys, True)
     if m := re.match(r"^(.*\.self_attn)\.conv1d\.weight$", fqn):
         for prefix in names.disk_names(m.group(1)):
-            keys = [f"{prefix}.{p}_conv1d.weight" for p in names.CONV_PARTS]
-            if all(ckpt.has(k) for k in keys):
-                return _Source(ckpt, [keys], False)
+            conv = [f"{prefix}.{p}_conv1d.weight" for p in names.CONV_PARTS]
+            if all(ckpt.has(k) for k in conv):
+                return _Source(ckpt, [conv], False)
     raise ValueError(f"{ckpt.folder}: no tensor on disk for {fqn} (tried {', '.join(names.disk_names(fqn)[:4])}, ...)")
 
 

@@ -37,7 +37,8 @@ def accumulate(
             part or samples[:1], pad, pack_to
         )  # a stand-in, weighted 0, keeps the ranks in step
         loss, n, right = batch_loss(model, batch, ranks.device, cp)
-        extra = model.indexer_loss() if hasattr(model, "indexer_loss") and model.training else None
+        indexer_loss = getattr(model, "indexer_loss", None)
+        extra = indexer_loss() if indexer_loss is not None and model.training else None
         weight = n / total if part else 0.0
         ((loss + extra if extra is not None else loss) * weight).backward()  # DSA indexers learn by KL
         if part:
