@@ -6,6 +6,8 @@ exact-match checks, not for serving.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from engine.data import image_tensor
@@ -26,9 +28,8 @@ def answer(
     prompt = Example(ex.line, [m for m in ex.messages[:-1]] + [Message("assistant", "")], ex.images)
     ids, _ = encode_chat(tok, tpl, prompt, getattr(model, "image_tokens", None) or 0)
     ids = ids[: len(ids) - len(tpl.end)]  # drop the empty turn's end: generation starts here
-    pixels = (
-        torch.stack([image_tensor(source.read_image(r), model.image_size) for r in ex.images]) if ex.images else None
-    )
+    size = cast(int, model.image_size)
+    pixels = torch.stack([image_tensor(source.read_image(r), size) for r in ex.images]) if ex.images else None
     out: list[int] = []
     was = model.training
     model.eval()

@@ -130,24 +130,35 @@ class ChatTemplate:
 
 
 def chat_template(tok: Tokenizer) -> ChatTemplate:
+    """The chat format the tokenizer's special tokens name. A tokenizer that has a family's marker
+    token but lacks another token of that family's turns is a ValueError naming it (its id would
+    otherwise be None inside every example)."""
     s = tok.special
+
+    def need(family: str, token: str) -> int:
+        i = s(token)
+        if i is None:
+            raise ValueError(f"the tokenizer looks like {family}'s but has no {token} token")
+        return i
+
     pad = next((i for i in (s("<|pad|>"), s("<｜▁pad▁｜>"), s("[PAD]"), s("<|endoftext|>")) if i is not None), 0)
     if s("<|im_user|>") is not None and s("<|im_middle|>") is not None:  # Kimi
-        mid = s("<|im_middle|>")
-        start = {r: [s(f"<|im_{r}|>"), *tok.encode(r), mid] for r in ("system", "user", "assistant")}
-        return ChatTemplate("kimi", [], start, [s("<|im_end|>")], s("<|media_pad|>"), pad)
+        mid = need("Kimi", "<|im_middle|>")
+        start = {r: [need("Kimi", f"<|im_{r}|>"), *tok.encode(r), mid] for r in ("system", "user", "assistant")}
+        return ChatTemplate("kimi", [], start, [need("Kimi", "<|im_end|>")], s("<|media_pad|>"), pad)
     if s("<｜User｜>") is not None:  # DeepSeek V3
         bos = s("<｜begin▁of▁sentence｜>")
-        start = {"system": [], "user": [s("<｜User｜>")], "assistant": [s("<｜Assistant｜>")]}
-        return ChatTemplate(
-            "deepseek", [bos] if bos is not None else [], start, [s("<｜end▁of▁sentence｜>")], s("<｜image｜>"), pad
-        )
+        user, assistant = need("DeepSeek", "<｜User｜>"), need("DeepSeek", "<｜Assistant｜>")
+        start = {"system": [], "user": [user], "assistant": [assistant]}
+        end = [need("DeepSeek", "<｜end▁of▁sentence｜>")]
+        return ChatTemplate("deepseek", [bos] if bos is not None else [], start, end, s("<｜image｜>"), pad)
     if s("<|im_start|>") is not None:  # ChatML
-        start = {r: [s("<|im_start|>"), *tok.encode(f"{r}\n")] for r in ("system", "user", "assistant")}
-        return ChatTemplate("chatml", [], start, [s("<|im_end|>"), *tok.encode("\n")], s("<|image_pad|>"), pad)
+        start = {r: [need("ChatML", "<|im_start|>"), *tok.encode(f"{r}\n")] for r in ("system", "user", "assistant")}
+        end = [need("ChatML", "<|im_end|>"), *tok.encode("\n")]
+        return ChatTemplate("chatml", [], start, end, s("<|image_pad|>"), pad)
     if s("<|user|>") is not None:  # Kiln's byte tokenizer
-        start = {r: [s(f"<|{r}|>")] for r in ("system", "user", "assistant")}
-        return ChatTemplate("kiln", [s("<|bos|>")], start, [s("<|end|>")], s("<|image|>"), pad)
+        start = {r: [need("Kiln", f"<|{r}|>")] for r in ("system", "user", "assistant")}
+        return ChatTemplate("kiln", [need("Kiln", "<|bos|>")], start, [need("Kiln", "<|end|>")], s("<|image|>"), pad)
     raise ValueError("the tokenizer has none of the chat tokens Kiln knows (Kimi, DeepSeek, ChatML)")
 
 
@@ -156,12 +167,13 @@ def encode_chat(tok: Tokenizer, tpl: ChatTemplate, ex: Example, image_tokens: in
     ``image_tokens`` copies of the template's image token."""
     if ex.images and tpl.image_id is None:
         raise ValueError(f"the {tpl.name} tokenizer has no image token, but the example has images")
+    image = tpl.image_id if tpl.image_id is not None else -1  # -1 never lands: no images, no placeholders
     ids, target = list(tpl.bos), [False] * len(tpl.bos)
     for m in ex.messages:
-        body = []
+        body: list[int] = []
         for k, piece in enumerate(m.content.split(IMAGE_TOKEN)):
             if k:
-                body += [tpl.image_id] * image_tokens
+                body += [image] * image_tokens
             body += tok.encode(piece)
         learn = m.role == "assistant" and m.weight == 1
         head = tpl.start[m.role]

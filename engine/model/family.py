@@ -39,7 +39,7 @@ class Family:
     config: Callable[[dict], Any]  # config.json -> the model's config
     build: Callable[[dict], nn.Module]  # config.json -> the model, on the default device, weights unset
     load: Callable[[Path], nn.Module]  # a folder -> the model with its weights (the family's HF adapter)
-    save: Callable[[nn.Module, Path], None] | None  # the model -> a folder ``load`` reads; None: none
+    save: Callable[[Any, Path], None] | None  # the model (the family's class) -> a folder ``load`` reads; None: none
     lora: Targets  # LoRA targets and defaults
     experts: Callable[[Any], int]  # config -> routed experts per MoE layer (0: no MoE)
     position_limit: Callable[[Any], int | None]  # config -> the longest sequence (None: no limit)

@@ -44,7 +44,7 @@ def _exchange(x: torch.Tensor, recv: list[int], send: list[int], group: dist.Pro
 
 
 def _forward(self: Experts, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    ep: ExpertShard = self.expert_shard
+    ep: ExpertShard = self.expert_shard  # type: ignore[assignment]  # set by shard_experts below
     L = ep.experts // ep.size
     K = idx_NK.shape[1]
     flat = idx_NK.reshape(-1)
@@ -81,5 +81,5 @@ def shard_experts(model: nn.Module, mesh: Mesh) -> None:
             owner, _, leaf = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
             setattr(target, leaf, nn.Parameter(p.detach()[r * L : (r + 1) * L].clone(), requires_grad=p.requires_grad))
-        module.expert_shard = ExpertShard(mesh.ep_group, mesh.ep, r, E)
-        module.forward = MethodType(_forward, module)
+        module.expert_shard = ExpertShard(mesh.ep_group, mesh.ep, r, E)  # type: ignore[assignment]  # a plain attribute
+        module.forward = MethodType(_forward, module)  # type: ignore[method-assign]  # this instance's, on purpose

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -49,9 +50,12 @@ def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
     for b in layers:
         fully_shard(b, mesh=mesh.dp)
     fully_shard(model, mesh=mesh.dp)
-    for a, b in zip(layers, layers[1:], strict=False):  # gather the next block while this one computes, both ways: the
-        a.set_modules_to_forward_prefetch([b])  # MoE's all-to-all waits on the host for its counts, which
-        b.set_modules_to_backward_prefetch([a])  # would otherwise hold back the next gather
+    # gather the next block while this one computes, both ways: the MoE's all-to-all waits on the
+    # host for its counts, which would otherwise hold back the next gather
+    sharded = cast("list[FSDPModule]", layers)
+    for this, after in zip(sharded, sharded[1:], strict=False):
+        this.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([this])
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -65,10 +69,11 @@ def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
 
 def _expert_params(model: nn.Module) -> dict[str, int]:
     """Every parameter under an experts module: its full expert count."""
-    out = {}
+    out: dict[str, int] = {}
     for path, m in model.named_modules():
         if isinstance(m, Experts):
-            E = m.expert_shard.experts if hasattr(m, "expert_shard") else None
+            shard = getattr(m, "expert_shard", None)
+            E = shard.experts if shard is not None else None
             for name, p in m.named_parameters():
                 out[f"{path}.{name}"] = E or p.shape[0]
     return out
@@ -86,6 +91,7 @@ def global_view(model: nn.Module, mesh: Mesh | None, tensors: Mapping[str, torch
         if E is None or not isinstance(t, DTensor):
             out[name] = t
             continue
+        assert mesh is not None  # experts is empty without a mesh
         shape = (E, *t.shape[1:])
         out[name] = DTensor.from_local(
             t.to_local(),

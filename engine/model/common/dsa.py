@@ -145,6 +145,7 @@ class GatedDSAttention(nn.Module):
         learns = self.training and any(p.requires_grad for p in self.indexer.parameters())
         up, down = self._absorbed()
         if up is not None:  # keys and values: the latent, shared by all heads
+            assert down is not None  # _absorbed gives both or neither
             q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, up.to(q_nope.dtype)), q_rot], -1)
             k = torch.cat([latent, k_rot], -1)[:, :, None]
             o, weights = self._attend(q, k.to(q.dtype), latent[:, :, None].to(q.dtype), idx, scale, learns)

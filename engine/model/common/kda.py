@@ -88,7 +88,10 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = qkv
         g = self.forget_gate(x_BTD)
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
-        h0 = None if cp is None else cp.state_in(x_BTD, (self.H, self.K, self.K), len(cu_seqlens) - 1, (id(self), "S"))
+        h0 = None
+        if cp is not None:
+            assert cu_seqlens is not None  # context parallel hands every layer the documents' offsets
+            h0 = cp.state_in(x_BTD, (self.H, self.K, self.K), len(cu_seqlens) - 1, (id(self), "S"))
         o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens)
         if cp is not None:
             o = cp.state_out(final[-1], o)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,7 +42,7 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(RMSNorm):
     """kiln_kernels.norm.gated_rms_norm: the norm times sigmoid(gate), in x's dtype."""
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]  # the gate too
         return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
@@ -109,6 +111,9 @@ def next_token_loss(
 class CausalLM:
     """The forward of a causal LM class that has ``hidden`` (the final norm's output) and
     ``lm_head``; put first among the bases (``class M(CausalLM, nn.Module)``)."""
+
+    hidden: Callable[..., torch.Tensor]  # the family's: ids (and pixels, documents, positions) -> [B, T, D]
+    lm_head: nn.Linear
 
     def forward(
         self,

@@ -53,6 +53,8 @@ def counts_of(sorted_ids: torch.Tensor, n: int) -> torch.Tensor:
 class Router(nn.Module):
     """Sigmoid scores; the bias (aux-loss-free balancing) only chooses, the scores weigh."""
 
+    e_score_correction_bias: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(
         self, D: int, E: int, k: int, groups: int = 1, topk_group: int = 1, renorm: bool = True, scale: float = 1.0
     ):

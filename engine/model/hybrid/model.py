@@ -7,6 +7,8 @@ Legend: B batch, T tokens, D hidden, N images.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -41,6 +43,7 @@ class HybridLayer(nn.Module):
         super().__init__()
         self.kind = c.layer_kinds[i]
         k, d, m = c.kda, c.dsa, c.moe
+        self.self_attn: KimiDeltaAttention | GatedDSAttention
         if self.kind == "kda":
             self.self_attn = KimiDeltaAttention(
                 c.hidden, k.heads, k.head_dim, k.conv, c.rms_eps, k.gate_lower_bound, k.full_rank_gate
@@ -134,8 +137,8 @@ class HybridForCausalLM(CausalLM, nn.Module):
         where no indexer has a trainable parameter: LoRA that leaves them out)."""
         losses = [
             l.self_attn.last_indexer_loss
-            for l in self.layers
-            if l.kind == "dsa" and l.self_attn.last_indexer_loss is not None
+            for l in cast("list[HybridLayer]", self.layers)
+            if isinstance(l.self_attn, GatedDSAttention) and l.self_attn.last_indexer_loss is not None
         ]
         return torch.stack(losses).sum() if losses else None
 
@@ -159,6 +162,7 @@ class HybridForCausalLM(CausalLM, nn.Module):
         if pixels_NCHW is not None and pixels_NCHW.numel():
             if self.config.vision is None:
                 raise ValueError("this model takes no image input")
+            assert self.image_token_id is not None  # a model with a vision tower has its image token
             slots = input_ids_BT == self.image_token_id
             img = self.multi_modal_projector(self.vision_tower(pixels_NCHW.to(x.dtype)))
             x = x.masked_scatter(slots.unsqueeze(-1), img.reshape(-1, x.shape[-1]).to(x.dtype))

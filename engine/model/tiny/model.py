@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ class TinyConfig:
     image_size: int = 32
     patch_size: int = 8
     initializer_range: float = 0.02
-    image_token_id: int = ByteTokenizer().special("<|image|>")
+    image_token_id: int = cast(int, ByteTokenizer().special("<|image|>"))  # the byte tokenizer has it
     model_type: str = "kiln_tiny"
 
     @property
@@ -151,6 +152,6 @@ def init_weights(model: TinyForCausalLM, seed: int) -> None:
             p.data.zero_()
         else:
             p.data.normal_(0.0, std, generator=g)
-    for layer in model.model.layers:  # residual branches scaled by depth (GPT-2's rule)
+    for layer in cast("list[Block]", model.model.layers):  # residual branches scaled by depth (GPT-2's rule)
         for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
             lin.weight.data.mul_(1 / math.sqrt(2 * model.config.num_hidden_layers))
