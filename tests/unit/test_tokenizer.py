@@ -142,3 +142,15 @@ def test_images_need_an_image_token(trained_bpe, tmp_path):
     tok = load_tokenizer(tmp_path)
     with pytest.raises(ValueError, match="has no image token"):
         encode_chat(tok, chat_template(tok), example(), 4)
+
+
+def test_a_chat_family_missing_a_turn_token_is_named():
+    """ChatML's <|im_start|> without its <|im_end|>: the template cannot end a turn; the error
+    names the token (its id used to be None inside every example)."""
+
+    class Partial(ByteTokenizer):
+        def special(self, token: str) -> int | None:
+            return {"<|im_start|>": 300}.get(token)
+
+    with pytest.raises(ValueError, match=r"ChatML's but has no <\|im_end\|> token"):
+        chat_template(Partial())
