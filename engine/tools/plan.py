@@ -232,9 +232,9 @@ def kimi_linear_memory(
     (bf16, fp32 where store_frozen leaves them), LoRA factors with their gradient and AdamW's
     two moments (fp32), both sharded by FSDP over the ``cp`` ranks, the activations as
     kimi_linear_token_bytes counts them, the fused loss's logits chunk and the fp32 gradients of
-    the residual stream in flight (three). Against the H200 (bench/e2e.py, bench/RESULTS.md): 1-4%
-    under the measured peak without recompute (8k, 32k), 15-16% under with ``selective`` at 128k
-    (what it leaves out: the recomputed block's gradients in flight)."""
+    the residual stream in flight (three); not the recomputed block's gradients in flight, so it
+    reads low under ``selective`` (against the H200's peaks: bench/RESULTS.md, the fourteenth
+    session's whole-step section; tests/unit/test_plan.py holds it within 20%)."""
     T = -(-tokens // cp)
     total, wide = kimi_linear_parameters(c)
     weights: float = 2 * (total - wide) + 4 * wide

@@ -18,9 +18,9 @@ def f32(x: torch.Tensor) -> torch.Tensor:
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
     """x in autocast's dtype when autocast is on, else as it is: one cast for all the projections
-    that read x (autocast casts an activation again at each linear; the fp32 residual stream's
-    casts were ~7% of a 32k-token step on the H200, bench/e2e.py). The same values either way:
-    autocast casts floating tensors other than float64."""
+    that read x (autocast casts an activation again at each linear: bench/RESULTS.md, the
+    fourteenth session's whole-step section). The same values either way: autocast casts
+    floating tensors other than float64."""
     dev = x.device.type
     if not torch.is_autocast_enabled(dev) or x.dtype in (torch.float64, torch.get_autocast_dtype(dev)):
         return x  # autocast leaves float64 alone (the checks run the model in float64)
