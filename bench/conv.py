@@ -14,6 +14,7 @@ after 5. Baseline: the reference. Writes bench/results/conv.json.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -27,7 +28,7 @@ BASELINE = "PyTorch reference"
 
 
 def methods(norm: int) -> dict:
-    found = {BASELINE: reference.short_conv, "Kiln Triton": ours.short_conv}
+    found: dict[str, Callable] = {BASELINE: reference.short_conv, "Kiln Triton": ours.short_conv}
     if norm:
         return found
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +105,7 @@ def tune(a) -> None:
     """Each attention kernel's candidate block sizes at the first --seq, the others at their
     defaults: the time of the whole attention (forward, target, backward)."""
     T, H, D, E = a.seq[0], a.heads, 576, 512
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    bf: dict[str, Any] = dict(device="cuda", dtype=torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, T, H, D, generator=g, **bf).requires_grad_()
     kv = torch.randn(1, T, 1, D, generator=g, **bf).requires_grad_()
@@ -142,7 +143,7 @@ def measure(a, T: int) -> list[dict]:
     """One length: each part's time on both paths and dense SDPA's, a row each (printed as it goes).
     Its tensors are this call's locals, freed when it returns."""
     H, D, E, J, Dh, rope = dims(a)
-    bf = dict(device="cuda", dtype=torch.bfloat16)
+    bf: dict[str, Any] = dict(device="cuda", dtype=torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(T)
     qi = torch.randn(T, J, Dh, generator=g, **bf).requires_grad_()
     ki = torch.randn(T, Dh, generator=g, **bf).requires_grad_()

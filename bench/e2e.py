@@ -38,11 +38,12 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-SHAPE = dict(
+SHAPE: dict[str, Any] = dict(
     vocab_size=163840,
     hidden_size=2304,
     intermediate_size=9216,
@@ -312,7 +313,7 @@ class Kiln:
         from engine.spec import LoraSpec
 
         t0 = time.perf_counter()
-        self.model = load_base(folder)
+        self.model: Any = load_base(folder)
         apply_lora(
             self.model,
             LoraSpec(rank=16, alpha=32, target_modules=TARGETS, target_parameters=EXPERTS if experts else []),
@@ -377,7 +378,8 @@ class HF:
         import transformers
 
         t0 = time.perf_counter()
-        base = transformers.KimiLinearForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(DEV)
+        base = transformers.KimiLinearForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        base = base.to(DEV)  # type: ignore[arg-type]  # transformers types its wrapped .to as unbound
         cfg = peft.LoraConfig(
             r=16, lora_alpha=32, target_modules=TARGETS, target_parameters=EXPERTS if experts else None
         )
@@ -564,7 +566,8 @@ def main() -> None:
         )
 
     experts = {"no": [False], "yes": [True], "both": [False, True]}[a.experts]
-    sides = {"kiln": [Kiln], "hf": [HF], "both": [Kiln, HF]}[a.side]
+    choices: dict[str, list[type]] = {"kiln": [Kiln], "hf": [HF], "both": [Kiln, HF]}
+    sides = choices[a.side]
     for side in sides:
         run_side(side, folder, a.tokens, a.layouts, experts, a.steps, not a.no_profile, record, a.trace_file)
     print(

@@ -49,6 +49,7 @@ def exact_match(model, folder: Path, test: Path) -> float:
     right = total = 0
     for n, raw in iter_lines(source.lines()):
         ex, _ = parse_line(n, raw)
+        assert ex is not None, f"test.jsonl line {n} does not parse"
         right += answer(model, tok, tpl, ex, source).strip() == ex.messages[-1].content.strip()
         total += 1
     return right / total
@@ -99,6 +100,7 @@ def run(work: Path, pretrain_steps: int, lora_steps: int) -> dict:
     )
     base_dir = store.model_dir("bench-base")
     base_dir.parent.mkdir(parents=True, exist_ok=True)
+    assert result.adapter_key is not None
     store.path(result.adapter_key).rename(base_dir)
     lora = RecordingReporter()
     spec = JobSpec(

@@ -96,7 +96,7 @@ def main() -> None:
         W = (torch.randn(a.vocab, D, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
         y = torch.randint(0, a.vocab, (a.tokens,), device="cuda", generator=g)
         y[torch.rand(a.tokens, device="cuda", generator=g) < 0.1] = -100
-        res = {}
+        res: dict[str, dict | None] = {}
         for name, fn in methods.items():
             try:
                 res[name] = measure(fn, h, W, y)
@@ -115,7 +115,7 @@ def main() -> None:
                 "ms": r["ms"],
                 "extra_gb": r["extra_gb"],
                 "tflops": flops / r["ms"] / 1e9,
-                "speed_vs_liger": res["liger"]["ms"] / r["ms"] if res.get("liger") else None,
+                "speed_vs_liger": liger_row["ms"] / r["ms"] if (liger_row := res.get("liger")) else None,
                 "memory_vs_naive": r["extra_gb"] / ref["extra_gb"] if ref else None,
                 "loss_err": abs(r["loss"] - ref["loss"]) / ref["loss"] if ref else None,
                 "dh_err": rel(r["dh"], ref["dh"]) if ref else None,

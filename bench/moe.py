@@ -115,14 +115,15 @@ def tune(D: int, I: int) -> list[dict]:
         "dW": clock(lambda: torch._grouped_mm(dy.T, x, offs=offs)),
     }
     print("torch._grouped_mm ms: " + ", ".join(f"{n} {t:.3f}" for n, t in theirs.items()), flush=True)
-    tried = [{"which": "torch._grouped_mm", "ms": theirs}]
+    tried: list[dict] = [{"which": "torch._grouped_mm", "ms": theirs}]
     ours = {
         "y": lambda: grouped_gemm._rows_gemm(x, W, offs, False),
         "dx": lambda: grouped_gemm._rows_gemm(dy, W, offs, True),
         "dW": lambda: grouped_gemm._weights_gemm(dy, x, offs, E),
     }
     for which, cands, gemms in [("rows", ROWS, ["y", "dx"]), ("weights", WEIGHTS, ["dW"])]:
-        best, best_ms = None, float("inf")
+        best: dict[str, int] | None = None
+        best_ms = float("inf")
         for cfg in cands:
             grouped_gemm.CONFIG[which] = cfg
             try:
@@ -140,6 +141,7 @@ def tune(D: int, I: int) -> list[dict]:
             )
             if sum(ms.values()) < best_ms and max(err.values()) < 1e-2:
                 best, best_ms = cfg, sum(ms.values())
+        assert best is not None, f"no {which} configuration compiled"
         grouped_gemm.CONFIG[which] = best
     return tried
 
@@ -209,7 +211,9 @@ def main() -> None:
     )
     a = p.parse_args()
     D, I = a.hidden, a.inter
-    rows, moves, tried = [], [], []
+    rows: list[dict] = []
+    moves: list[dict] = []
+    tried: list[dict] = []
     if a.tune:
         tried = tune(D, I)
         print(f"with {grouped_gemm.CONFIG}\n")

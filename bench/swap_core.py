@@ -199,7 +199,7 @@ def ready(model, spec: MemorySpec):
     return core, trainable, torch.optim.SGD(trainable, lr=0.0)
 
 
-def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref: dict | None) -> dict:
+def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref: dict | None) -> tuple[dict, dict]:
     core, trainable, opt = ready(model, spec)
     saved = [p.detach().clone() for p in trainable]  # every mode starts from the same weights
     loss_of(model, ids, device).backward()
@@ -210,7 +210,8 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, collecting = [], []
+    times: list[float] = []
+    collecting: list[float] = []
 
     def collector(phase, _):  # Python's own pauses inside the timed steps
         collecting.append(time.perf_counter() if phase == "start" else time.perf_counter() - collecting.pop())

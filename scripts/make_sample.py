@@ -47,12 +47,12 @@ def example(rng: random.Random, split: str, i: int, images: dict[str, bytes]) ->
     draw(rng, shape, count, color).save(buf, format="PNG", optimize=True)
     images[name] = buf.getvalue()
     if kind < 0.7:
-        q, a = f"How many {shape}s are in the image?", str(count)
+        question, reply = f"How many {shape}s are in the image?", str(count)
     else:
-        q, a = f"What colour are the {shape}s?", color
+        question, reply = f"What colour are the {shape}s?", color
     return {
         "images": [name],
-        "messages": [{"role": "user", "content": f"<image>\n{q}"}, {"role": "assistant", "content": a}],
+        "messages": [{"role": "user", "content": f"<image>\n{question}"}, {"role": "assistant", "content": reply}],
     }
 
 

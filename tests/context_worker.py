@@ -38,13 +38,14 @@ def build(kind: str = "kimi") -> tuple[torch.nn.Module, list[Sample]]:
     if kind == "hybrid":
         c = ModelConfig.debug(vocab_size=256)
         c.layers, c.vision = 4, None
-        model = HybridForCausalLM(c)
+        model: torch.nn.Module = HybridForCausalLM(c)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.1)
     else:
-        model = KimiLinearForCausalLM(kimi_linear_tiny_config())
-        init_kimi_linear(model, 5)
+        kimi = KimiLinearForCausalLM(kimi_linear_tiny_config())
+        init_kimi_linear(kimi, 5)
+        model = kimi
     apply_lora(
         model,
         LoraSpec(
@@ -59,7 +60,7 @@ def build(kind: str = "kimi") -> tuple[torch.nn.Module, list[Sample]]:
             if p.requires_grad:
                 p.copy_(torch.randn_like(p) * 0.05)
     g = torch.Generator().manual_seed(1)
-    samples = []
+    samples: list[Sample] = []
     for row in LENGTHS:
         for n in row:
             ids = torch.randint(0, 250, (n,), generator=g)

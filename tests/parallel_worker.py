@@ -121,9 +121,9 @@ def main() -> None:
 
         model = parallelize(build_meta(Path(a.meta)), mesh).to_empty(device=mesh.device)
         dcp.load(a.load, model, mesh, everything=True)
-        out = {"params": full_tensors(model, mesh), "buffers": {n: b.cpu() for n, b in model.named_buffers()}}
+        loaded = {"params": full_tensors(model, mesh), "buffers": {n: b.cpu() for n, b in model.named_buffers()}}
         if mesh.rank == 0:
-            torch.save(out, a.out)
+            torch.save(loaded, a.out)
         close_mesh()
     model, data = build(a.mode, seed=1 if a.load else 0)  # a load must overwrite another init
     parallelize(model, mesh)
@@ -131,21 +131,21 @@ def main() -> None:
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     if a.load:  # write what was read, nothing else
         dcp.load(a.load, model, mesh, opt, everything=True)
-        out = state(model, mesh, opt)
+        read = state(model, mesh, opt)
         if mesh.rank == 0:
-            torch.save(out, a.out)
+            torch.save(read, a.out)
         close_mesh()
     rows = list(range(mesh.rank, ROWS, mesh.world))
     loss = step_loss(model, data, rows, n_targets(data), mesh.device)
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    grads = {n: q.grad for n, q in model.named_parameters() if q.requires_grad}
+    local = {n: q.grad for n, q in model.named_parameters() if q.grad is not None and q.requires_grad}
     grads = {
-        n: (g.full_tensor() if isinstance(g, DTensor) else g).cpu() for n, g in global_view(model, mesh, grads).items()
+        n: (g.full_tensor() if isinstance(g, DTensor) else g).cpu() for n, g in global_view(model, mesh, local).items()
     }
     opt.step()
-    out = {"loss": float(total), "grads": grads, **state(model, mesh, opt)}
+    out: dict[str, object] = {"loss": float(total), "grads": grads, **state(model, mesh, opt)}
     if a.save:
         dcp.save(a.save, model, mesh, opt, everything=True)
     if mesh.rank == 0:

@@ -41,7 +41,7 @@ def drop_pg_database(name: str) -> None:
 class Stack:
     """One deployment: database URL, broker URL, home folder, API process, worker processes."""
 
-    def __init__(self, home: Path, database_url: str, broker_url: str, **settings: str):
+    def __init__(self, home: Path, database_url: str, broker_url: str, **settings: object):
         self.home = home
         self.env = {
             **os.environ,

@@ -23,7 +23,8 @@ class Redis:
     """A private redis-server, so restarting it disturbs nothing else on the machine."""
 
     def __init__(self, workdir: Path):
-        self.port, self.dir, self.proc = free_port(), workdir, None
+        self.port, self.dir = free_port(), workdir
+        self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -32,7 +33,7 @@ class Redis:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [
-                shutil.which("redis-server"),
+                shutil.which("redis-server") or "redis-server",
                 "--port",
                 str(self.port),
                 "--bind",
@@ -57,6 +58,7 @@ class Redis:
         )
 
     def kill(self) -> None:
+        assert self.proc is not None, "kill before start"
         self.proc.kill()
         self.proc.wait()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import shutil
 import zipfile
+from typing import cast
 
 import pytest
 from PIL import Image
@@ -67,11 +68,9 @@ def dataset(pg_stack, sample):
 def blue_pixels(png: bytes) -> int:
     """Pixels of the training-loss colour (#2563eb) in a screenshot."""
     img = Image.open(io.BytesIO(png)).convert("RGB")
-    return sum(
-        1
-        for r, g, b in (img.get_flattened_data() if hasattr(img, "get_flattened_data") else img.getdata())
-        if abs(r - 0x25) < 40 and abs(g - 0x63) < 40 and abs(b - 0xEB) < 40
-    )
+    data = img.get_flattened_data() if hasattr(img, "get_flattened_data") else img.getdata()
+    pixels = cast("list[tuple[int, int, int]]", data)
+    return sum(1 for r, g, b in pixels if abs(r - 0x25) < 40 and abs(g - 0x63) < 40 and abs(b - 0xEB) < 40)
 
 
 def test_wrong_key_is_refused(browser, pg_stack):

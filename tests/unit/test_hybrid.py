@@ -3,11 +3,15 @@ flagship too, on the meta device), and the debug model's forward, packing and tr
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from engine.config import ModelConfig, count_parameters
 from engine.lora import apply_lora
+from engine.model.common.kda import KimiDeltaAttention
 from engine.model.hybrid import HybridForCausalLM
+from engine.model.hybrid.model import HybridLayer
 from engine.spec import LoraSpec
 from kiln.tokenizer import ByteTokenizer
 
@@ -20,8 +24,8 @@ def build(c: ModelConfig, seed: int = 0, dtype=torch.float64) -> HybridForCausal
     with torch.no_grad():
         for n, p in m.named_parameters():
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in n else 0.0))
-        for layer in m.layers:
-            if layer.kind == "kda":
+        for layer in cast("list[HybridLayer]", m.layers):
+            if isinstance(layer.self_attn, KimiDeltaAttention):
                 layer.self_attn.forget_gate.A_log.zero_()
     return m
 
