@@ -26,8 +26,8 @@ class LoRA:
     def prepare(self, model: torch.nn.Module) -> None:
         apply_lora(model, self.spec.lora)
 
-    def trained_names(self, model: torch.nn.Module) -> set[str] | None:
-        """The parameters a sharded checkpoint gathers for rank 0's adapter (None: all)."""
+    def trained_names(self, model: torch.nn.Module) -> set[str]:
+        """The parameters a sharded checkpoint gathers for rank 0's adapter."""
         return {n for n, p in model.named_parameters() if p.requires_grad}
 
     def save(self, model: torch.nn.Module, folder: Path, gathered: dict | None = None) -> None:
@@ -64,9 +64,6 @@ class Full(LoRA):
     def prepare(self, model: torch.nn.Module) -> None:
         for p in model.parameters():
             p.requires_grad_(True)
-
-    def trained_names(self, model: torch.nn.Module) -> None:
-        return None
 
     def save(self, model: torch.nn.Module, folder: Path, gathered: dict | None = None) -> None:
         save_file(

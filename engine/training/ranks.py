@@ -87,15 +87,12 @@ class MeshRanks(Single):
     def batch(self, samples: list, pad: int, pack_to: int | None) -> tuple[dict, object, int]:
         """Under context parallel this rank's slice of the batch and its shard; the rows packed,
         counted on one rank of a context-parallel group."""
-        if self.mesh.cp == 1:
-            return super().batch(samples, pad, pack_to)
+        batch, _, rows = super().batch(samples, pad, pack_to)
+        m = self.mesh
+        if m.cp == 1:
+            return batch, None, rows
         from engine.parallel.context import split
 
-        batch = collate(samples, pad, pack_to)
-        ids = batch["input_ids_BT"]
-        assert ids is not None  # collate always gives the ids
-        rows = ids.shape[0]
-        m = self.mesh
         return *split(batch, pad, m.cp_group, m.cp_rank, m.cp), rows if m.cp_rank == 0 else 0
 
     def sum(self, *values: float) -> list[float]:
