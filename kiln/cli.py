@@ -2,13 +2,19 @@
 
     kiln upload train.jsonl                 kiln create --model kiln-tiny --training-file file-… --watch
     kiln jobs                               kiln watch ftjob-…          kiln logs ftjob-… [--follow]
-    kiln cancel ftjob-…                     kiln download ftjob-… [-o adapter.zip] [--checkpoint ftckpt_…]
+    kiln cancel ftjob-…                     kiln pause ftjob-…          kiln resume ftjob-…
+    kiln checkpoints ftjob-…                kiln download ftjob-… [-o adapter.zip] [--checkpoint ftckpt_…]
     kiln keys list|create [--name N]|revoke key_…
     kiln validate train.jsonl [--images images.zip]   (local: no server needed)
 
-Server and key from --base-url/--api-key or KILN_BASE_URL/KILN_API_KEY. ``--json`` prints
-one JSON document per line instead of text (``--watch`` adds a line per event). Exit status: 0 ok,
-1 job failed or cancelled, 2 error.
+    kiln create --model kiln-tiny --training-file file-… --images-file file-… \\
+        --hyperparameter max_steps=5 --hyperparameter 'memory={"recompute": "full"}' \\
+        --lora-rank 16 --lora-target-modules q_proj,v_proj --metadata team=vision
+
+Server and key from --base-url/--api-key or KILN_BASE_URL/KILN_API_KEY. ``--json`` prints JSON
+Lines, one object a line, instead of text (``--watch`` adds a line per event). These three go
+before or after the subcommand. ``kiln COMMAND --help`` describes each command's options. Exit
+status: 0 ok, 1 job failed or cancelled (or ``validate`` found problems), 2 error.
 """
 
 from __future__ import annotations
@@ -16,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import zipfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from kiln.client import Client
 from kiln.errors import APIStatusError, KilnError
+from kiln.types import Job
 
 
 def _ts(t: int | None) -> str:
@@ -29,60 +37,118 @@ def _ts(t: int | None) -> str:
 
 
 def _dump(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_dump(o) for o in obj]
     return obj.model_dump() if hasattr(obj, "model_dump") else obj
 
 
+def _fields(values: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """``key value`` pairs of a stats or metrics mapping for text output; nested values are left
+    to --json."""
+    out = []
+    for k, v in values.items():
+        if k in skip or isinstance(v, (dict, list)):
+            continue
+        out.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+    return "  ".join(out)
+
+
+def _common(defaults: bool) -> argparse.ArgumentParser:
+    """--base-url, --api-key and --json. The main parser gives their defaults; each subcommand
+    takes them too, with no defaults (SUPPRESS), so a value given after the subcommand wins and
+    one given before it is not reset."""
+    p = argparse.ArgumentParser(add_help=False)
+    unset: dict[str, Any] = {} if defaults else {"default": argparse.SUPPRESS}
+    p.add_argument("--base-url", help="the API's address (default: KILN_BASE_URL or http://127.0.0.1:8000)", **unset)
+    p.add_argument("--api-key", help="your API key (default: KILN_API_KEY)", **unset)
+    p.add_argument("--json", action="store_true", help="print JSON Lines: one JSON object a line", **unset)
+    return p
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kiln", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url")
-    p.add_argument("--api-key")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    up = sub.add_parser("upload", help="upload a dataset (.jsonl) or an archive (.zip)")
-    up.add_argument("path")
-    up.add_argument("--purpose", default="fine-tune")
-    cr = sub.add_parser("create", help="start a fine-tuning job")
-    cr.add_argument("--model", required=True)
-    cr.add_argument("--training-file", required=True)
-    cr.add_argument("--validation-file")
-    cr.add_argument("--images-file")
-    cr.add_argument("--epochs", type=int)
-    cr.add_argument("--batch-size", type=int)
-    cr.add_argument("--lr-multiplier", type=float)
-    cr.add_argument("--lora-rank", type=int)
-    cr.add_argument("--lora-alpha", type=float)
-    cr.add_argument("--suffix")
-    cr.add_argument("--seed", type=int)
+    p = argparse.ArgumentParser(
+        prog="kiln",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[_common(defaults=True)],
+    )
+    common = _common(defaults=False)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(parent: Any, name: str, helptext: str) -> argparse.ArgumentParser:
+        return parent.add_parser(name, help=helptext, description=helptext, parents=[common])
+
+    up = command(sub, "upload", "upload a dataset (.jsonl), a zip of a dataset and its images, or a zip of images")
+    up.add_argument("path", help="the file to upload")
+    up.add_argument("--purpose", default="fine-tune", help="the file's purpose (default: fine-tune)")
+
+    cr = command(sub, "create", "start a fine-tuning job")
+    cr.add_argument("--model", required=True, help="the base model, e.g. kiln-tiny (GET /v1/models lists them)")
+    cr.add_argument("--training-file", required=True, help="the training dataset's file id (file-…)")
+    cr.add_argument("--validation-file", help="a validation dataset's file id")
+    cr.add_argument("--images-file", help="the file id of a zip of the images the datasets name")
+    cr.add_argument("--epochs", type=int, help="hyperparameter n_epochs (default: auto)")
+    cr.add_argument("--batch-size", type=int, help="hyperparameter batch_size (default: auto)")
+    cr.add_argument("--lr-multiplier", type=float, help="hyperparameter learning_rate_multiplier (default: auto)")
+    cr.add_argument(
+        "--hyperparameter",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any hyperparameter, repeatable; VALUE is JSON when it parses as JSON, else a string: "
+        'max_steps=5, warmup_ratio=0.1, memory=\'{"recompute": "full"}\'',
+    )
+    cr.add_argument("--lora-rank", type=int, help="LoRA rank (default 8)")
+    cr.add_argument("--lora-alpha", type=float, help="LoRA alpha (default 16)")
+    cr.add_argument("--lora-dropout", type=float, help="LoRA dropout (default 0)")
+    cr.add_argument(
+        "--lora-target-modules",
+        metavar="A,B,…",
+        help="comma-separated modules LoRA adapts, e.g. q_proj,v_proj (default: the model's)",
+    )
+    cr.add_argument(
+        "--lora-target-parameters",
+        metavar="A,B,…",
+        help="comma-separated grouped expert weights LoRA adapts, e.g. mlp.experts.gate_up_proj",
+    )
+    cr.add_argument("--suffix", help="a label in the fine-tuned model's name")
+    cr.add_argument("--seed", type=int, help="the random seed (default: the server's)")
+    cr.add_argument(
+        "--metadata",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a string kept with the job, repeatable",
+    )
     cr.add_argument("--watch", action="store_true", help="follow the job until it ends")
-    sub.add_parser("jobs", help="list jobs")
+
+    command(sub, "jobs", "list jobs, newest first")
     for name, helptext in (
         ("get", "show a job"),
         ("watch", "follow a job live until it ends"),
         ("cancel", "cancel a job"),
+        ("pause", "pause a job (kiln resume continues it)"),
+        ("resume", "resume a paused job"),
+        ("checkpoints", "list a job's checkpoints"),
     ):
-        sp = sub.add_parser(name, help=helptext)
-        sp.add_argument("job_id")
-    lg = sub.add_parser("logs", help="a job's events, oldest first")
-    lg.add_argument("job_id")
-    lg.add_argument("--follow", action="store_true")
-    dl = sub.add_parser("download", help="download the LoRA adapter zip")
-    dl.add_argument("job_id")
-    dl.add_argument("-o", "--output")
-    dl.add_argument("--checkpoint")
-    ck = sub.add_parser("checkpoints", help="list a job's checkpoints")
-    ck.add_argument("job_id")
-    keys = sub.add_parser("keys", help="your API keys")
-    ksub = keys.add_subparsers(dest="keys_cmd", required=True)
-    ksub.add_parser("list")
-    kc = ksub.add_parser("create")
-    kc.add_argument("--name", default="")
-    kr = ksub.add_parser("revoke")
-    kr.add_argument("key_id")
-    va = sub.add_parser("validate", help="check a dataset locally, line by line")
-    va.add_argument("path")
-    va.add_argument("--images", help="zip of the images the JSONL names")
+        command(sub, name, helptext).add_argument("job_id", help="the job's id (ftjob-…)")
+    lg = command(sub, "logs", "a job's events, oldest first")
+    lg.add_argument("job_id", help="the job's id (ftjob-…)")
+    lg.add_argument("--follow", action="store_true", help="keep printing events until the job ends")
+    dl = command(sub, "download", "download the LoRA adapter zip")
+    dl.add_argument("job_id", help="the job's id (ftjob-…)")
+    dl.add_argument("-o", "--output", help="where to save it (default: JOB_ID.zip, or JOB_ID-CHECKPOINT.zip)")
+    dl.add_argument("--checkpoint", help="a checkpoint's id (ftckpt_…) instead of the final adapter")
+
+    keys = command(sub, "keys", "your API keys")
+    ksub = keys.add_subparsers(dest="keys_cmd", required=True, metavar="ACTION")
+    command(ksub, "list", "list your keys")
+    kc = command(ksub, "create", "create a key and print it (shown only once)")
+    kc.add_argument("--name", default="", help="a label for the key")
+    kr = command(ksub, "revoke", "revoke a key")
+    kr.add_argument("key_id", help="the key's id (key_…)")
+
+    va = command(sub, "validate", "check a dataset locally, line by line, images included (no server)")
+    va.add_argument("path", help="the dataset: a .jsonl, or a zip holding it and its images")
+    va.add_argument("--images", metavar="ZIP", help="zip of the images the JSONL names")
     return p
 
 
@@ -91,11 +157,76 @@ class Out:
         self.as_json = as_json
 
     def __call__(self, obj: Any, text: str) -> None:
-        print(json.dumps(_dump(obj), default=str) if self.as_json else text, flush=True)
+        """``text``, or with --json one line per object (a list gives one line per item)."""
+        if self.as_json:
+            for o in obj if isinstance(obj, list) else [obj]:
+                print(json.dumps(_dump(o), default=str), flush=True)
+        else:
+            print(text, flush=True)
 
 
 def _event_line(ev) -> str:
     return f"{_ts(ev.created_at)}  {ev.level:5}  {ev.message}"
+
+
+def _key_values(items: list[str], option: str, parse_json: bool) -> dict[str, Any]:
+    """``KEY=VALUE`` options into a mapping; with ``parse_json`` a value that parses as JSON is
+    that JSON (``5``, ``0.1``, ``true``, ``{"recompute": "full"}``), else the string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"{option} {item!r}: expected KEY=VALUE")
+        if key in out:
+            raise ValueError(f"{option} {key} is given twice")
+        if parse_json:
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                out[key] = value
+        else:
+            out[key] = value
+    return out
+
+
+def _names(value: str | None) -> list[str] | None:
+    return [n.strip() for n in value.split(",") if n.strip()] if value is not None else None
+
+
+def _job_body(args) -> dict[str, Any]:
+    """client.jobs.create's keyword arguments from ``kiln create``'s options."""
+    hp = _key_values(args.hyperparameter, "--hyperparameter", parse_json=True)
+    for key, flag, value in (
+        ("n_epochs", "--epochs", args.epochs),
+        ("batch_size", "--batch-size", args.batch_size),
+        ("learning_rate_multiplier", "--lr-multiplier", args.lr_multiplier),
+    ):
+        if value is None:
+            continue
+        if key in hp:
+            raise ValueError(f"{flag} and --hyperparameter {key}=… both set {key}: give one")
+        hp[key] = value
+    lora = {
+        k: v
+        for k, v in (
+            ("rank", args.lora_rank),
+            ("alpha", args.lora_alpha),
+            ("dropout", args.lora_dropout),
+            ("target_modules", _names(args.lora_target_modules)),
+            ("target_parameters", _names(args.lora_target_parameters)),
+        )
+        if v is not None
+    }
+    return {
+        "validation_file": args.validation_file,
+        "images_file": args.images_file,
+        "hyperparameters": hp or None,
+        "lora": lora or None,
+        "suffix": args.suffix,
+        "seed": args.seed,
+        "metadata": _key_values(args.metadata, "--metadata", parse_json=False) or None,
+    }
 
 
 def _validate(args, out: Out) -> int:
@@ -106,14 +237,39 @@ def _validate(args, out: Out) -> int:
     except DatasetError as e:
         out({"ok": False, "issues": [vars(i) for i in e.issues]}, str(e))
         return 1
-    has_images = args.images or source.jsonl_member
-    report = validate(
-        source.lines(),
-        (lambda r: None if source.has_image(r) else source.missing_image_message(r)) if has_images else None,
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"{args.images or args.path}: {e}") from e
+    in_zip = source.jsonl_member is not None
+    if args.images:
+        where = f"{args.images}" + (f" or {args.path}" if in_zip else "")
+        missing = f"not found in {where}"
+    elif in_zip:
+        missing = (
+            f"not found in {args.path} (paths are relative to its {source.jsonl_member}); "
+            "pass a zip of the other images with --images ZIP"
+        )
+    else:
+        missing = (
+            "not found: pass the zip of the images with --images ZIP, "
+            "or validate one zip holding the JSONL and its images"
+        )
+    try:
+        report = validate(source.lines(), lambda ref: None if source.has_image(ref) else f"image {ref!r} {missing}")
+    finally:
+        source.close()
+    lines = [str(i) for i in report.issues]
+    if report.truncated:
+        lines.append(f"(more problems not shown: the first {len(report.issues)} are)")
+    text = "\n".join(lines) or f"ok: {_fields(report.stats())}"
+    out(
+        {
+            "ok": report.ok,
+            "stats": report.stats(),
+            "issues": [vars(i) for i in report.issues],
+            "truncated": report.truncated,
+        },
+        text,
     )
-    source.close()
-    text = "\n".join(str(i) for i in report.issues) or f"ok: {report.stats()}"
-    out({"ok": report.ok, "stats": report.stats(), "issues": [vars(i) for i in report.issues]}, text)
     return 0 if report.ok else 1
 
 
@@ -125,28 +281,10 @@ def run(argv: list[str] | None = None) -> int:
     with Client(args.base_url, args.api_key) as c:
         if args.cmd == "upload":
             f = c.files.upload(args.path, args.purpose, progress=not args.json and sys.stderr.isatty())
-            out(f, f"{f.id}  {f.filename}  {f.bytes} bytes  {f.stats}")
+            stats = _fields(f.stats) if f.stats.get("examples") else ""
+            out(f, f"{f.id}  {f.filename}  {f.bytes} bytes  {stats}".rstrip())
         elif args.cmd == "create":
-            hp = {
-                k: v
-                for k, v in (
-                    ("n_epochs", args.epochs),
-                    ("batch_size", args.batch_size),
-                    ("learning_rate_multiplier", args.lr_multiplier),
-                )
-                if v is not None
-            }
-            lora = {k: v for k, v in (("rank", args.lora_rank), ("alpha", args.lora_alpha)) if v is not None}
-            job = c.jobs.create(
-                args.model,
-                args.training_file,
-                validation_file=args.validation_file,
-                images_file=args.images_file,
-                hyperparameters=hp or None,
-                lora=lora or None,
-                suffix=args.suffix,
-                seed=args.seed,
-            )
+            job = c.jobs.create(args.model, args.training_file, **_job_body(args))
             out(job, f"{job.id}  {job.status}")
             if args.watch:
                 return _watch(c, job.id, out)
@@ -167,6 +305,9 @@ def run(argv: list[str] | None = None) -> int:
         elif args.cmd == "cancel":
             j = c.jobs.cancel(args.job_id)
             out(j, f"{j.id}  {j.status}  (cancel requested)")
+        elif args.cmd in ("pause", "resume"):
+            j = Job(**c.request("POST", f"/v1/fine_tuning/jobs/{args.job_id}/{args.cmd}").json())
+            out(j, f"{j.id}  {j.status}  ({args.cmd} requested)")
         elif args.cmd == "logs":
             events = c.jobs.events(args.job_id)
             for ev in events:
@@ -182,13 +323,21 @@ def run(argv: list[str] | None = None) -> int:
             out({"path": str(path), "bytes": path.stat().st_size}, f"saved {path} ({path.stat().st_size} bytes)")
         elif args.cmd == "checkpoints":
             cks = c.jobs.checkpoints(args.job_id)
-            out(cks, "\n".join(f"{k.id}  step {k.step_number}  {k.metrics}" for k in cks) or "no checkpoints")
+            out(
+                cks,
+                "\n".join(
+                    f"{k.id}  step {k.step_number}  {_ts(k.created_at)}  {_fields(k.metrics, skip=('step',))}".rstrip()
+                    for k in cks
+                )
+                or "no checkpoints",
+            )
         elif args.cmd == "keys":
             if args.keys_cmd == "list":
                 ks = c.keys.list()
                 out(
                     ks,
-                    "\n".join(f"{k.id}  {k.prefix}…  {'revoked' if k.revoked_at else 'active'}  {k.name}" for k in ks),
+                    "\n".join(f"{k.id}  {k.prefix}…  {'revoked' if k.revoked_at else 'active'}  {k.name}" for k in ks)
+                    or "no keys",
                 )
             elif args.keys_cmd == "create":
                 k = c.keys.create(args.name)
