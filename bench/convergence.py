@@ -18,7 +18,7 @@ from pathlib import Path
 
 import engine
 from engine.reporting import RecordingReporter
-from engine.spec import JobSpec
+from kiln.spec import JobSpec
 from kiln.store import LocalStore
 from kiln.tokenizer import ByteTokenizer
 

@@ -310,7 +310,7 @@ class Kiln:
     def __init__(self, folder: Path, experts: bool):
         from engine.lora import apply_lora, store_frozen
         from engine.model.registry import load_base
-        from engine.spec import LoraSpec
+        from kiln.spec import LoraSpec
 
         t0 = time.perf_counter()
         self.model: Any = load_base(folder)
@@ -330,7 +330,7 @@ class Kiln:
         """Swap Core's default recompute (``selective``: the kernels' outputs kept on the device)
         for the long rows, none for the others."""
         from engine.memory import apply_swap_core
-        from engine.spec import MemorySpec
+        from kiln.spec import MemorySpec
 
         for layer in self.model.model.layers:  # undo: the wrapped forwards live on the instances
             for block in (layer.self_attn, layer.mlp):

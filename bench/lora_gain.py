@@ -25,10 +25,10 @@ from engine.generate import answer
 from engine.lora import apply_lora, load_adapter
 from engine.model.registry import load_base
 from engine.reporting import RecordingReporter
-from engine.spec import JobSpec, LoraSpec
 from engine.training.ranks import Single
 from engine.training.step import evaluate
 from kiln.dataset import DatasetSource, LengthBound, iter_lines, parse_line
+from kiln.spec import JobSpec, LoraSpec
 from kiln.store import LocalStore
 from kiln.tokenizer import chat_template, load_tokenizer
 

@@ -36,7 +36,7 @@ from engine.config import DSAConfig, KDAConfig, ModelConfig, MoEConfig
 from engine.lora import apply_lora, store_frozen
 from engine.memory import apply_swap_core
 from engine.model.hybrid import HybridForCausalLM
-from engine.spec import LoraSpec, MemorySpec
+from kiln.spec import LoraSpec, MemorySpec
 
 ALL = ["mm", "grouped_mm", "kernels"]  # "swap core": the matmuls (a dispatch mode) and the kernels
 MODES = {

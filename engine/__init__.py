@@ -5,7 +5,8 @@ Importing this package does not import torch; ``train`` does.
 
 from __future__ import annotations
 
-from engine.spec import JobSpec, LoraSpec, ParallelSpec, Reporter, Store, TrainResult
+from engine.spec import Reporter, Store, TrainResult
+from kiln.spec import JobSpec, LoraSpec, ParallelSpec
 
 
 def train(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:

@@ -1,7 +1,7 @@
 """Run a fine-tune without the server: ``python -m engine.cli train config.yaml``.
 
-The YAML holds JobSpec's fields (engine/spec.py); ``lora``, ``memory`` and
-``parallel`` are mappings of LoraSpec's, MemorySpec's and ParallelSpec's. For example:
+The YAML holds JobSpec's fields (kiln/spec.py: the API's hyperparameters, ``lora`` and the
+files), checked as the API checks a request. For example:
 
     model: kiln-tiny
     training_file: data/sample/train.jsonl
@@ -22,44 +22,35 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 import engine
-from engine.memory import check_spec
 from engine.reporting import ConsoleReporter
-from engine.spec import JobSpec, LoraSpec, MemorySpec, ParallelSpec, check_parallel
 from kiln.dataset import DatasetError
+from kiln.spec import JobSpec, explain
 from kiln.store import LocalStore
 
 
 def load_spec(path: Path, job_id: str | None) -> JobSpec:
+    """The YAML's JobSpec, validated as the API validates a request (unknown fields refused, with
+    the known name closest to a typo); file paths relative to the config file."""
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: the config must be a mapping of JobSpec fields")
-    known = {f.name for f in fields(JobSpec)} - {"job_id", "resume_from"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    parts: dict[str, Any] = {}
-    for name, cls in (("lora", LoraSpec), ("memory", MemorySpec), ("parallel", ParallelSpec)):
-        part = raw.pop(name, None) or {}
-        unknown = sorted(set(part) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"{path}: unknown {name} field(s) {', '.join(unknown)}")
-        parts[name] = cls(**part)
-    check_spec(parts["memory"])
-    check_parallel(parts["parallel"])
+    for key in ("job_id", "resume_from"):
+        if key in raw:
+            raise ValueError(f"{path}: {key} is set from the command line (--job-id, --resume), not the config")
     base = path.parent
-    for key in ("training_file", "validation_file", "images_file"):  # relative to the config file
-        if raw.get(key):
-            raw[key] = str((base / raw[key]).resolve()) if not Path(raw[key]).is_absolute() else raw[key]
-    if "model" not in raw or "training_file" not in raw:
-        raise ValueError(f"{path}: model and training_file are required")
-    return JobSpec(job_id=job_id or f"local-{path.stem}", **parts, **raw)
+    for key in ("training_file", "validation_file", "images_file"):
+        if isinstance(raw.get(key), str) and not Path(raw[key]).is_absolute():
+            raw[key] = str((base / raw[key]).resolve())
+    try:
+        return JobSpec.model_validate({"job_id": job_id or f"local-{path.stem}", **raw})
+    except ValidationError as e:
+        raise ValueError(f"{path}: {explain(e, JobSpec)[0]}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

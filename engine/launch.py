@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from engine.reporting import FileReporter, SilentReporter
-from engine.spec import JobSpec, Reporter, Store, TrainResult
+from engine.spec import Reporter, Store, TrainResult
+from kiln.spec import JobSpec
 
 POLL_S = 0.2
 

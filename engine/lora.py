@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from engine.spec import LoraSpec
+from kiln.spec import LoraSpec
 from kiln_kernels.dispatch import kept
 
 PEFT_PREFIX = "base_model.model."

@@ -14,7 +14,6 @@ import gc
 import resource
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -23,13 +22,14 @@ from engine.config import ModelConfig, count_parameters
 from engine.data import Dataset, ImageCache, epoch_batches, split
 from engine.memory import apply_swap_core
 from engine.model.registry import ensure_builtin, load_base, position_limit
-from engine.spec import JobSpec, Reporter, Store, TrainResult
+from engine.spec import Reporter, Store, TrainResult
 from engine.training.checkpointer import checkpointer_for
 from engine.training.hyper import lr_lambda, resolve
 from engine.training.objective import objective_for
 from engine.training.ranks import ranks_for
 from engine.training.step import accumulate, evaluate
 from kiln.dataset import LengthBound
+from kiln.spec import JobSpec
 from kiln.tokenizer import chat_template, load_tokenizer
 
 
@@ -46,6 +46,7 @@ class Trainer:
         self.objective = objective_for(spec)
         self.checkpointer = checkpointer_for(store, self.objective, self.ranks)
         self.step_no, self.tokens, self.skipped = 0, 0, 0
+        self.saved = 0  # the step of the last checkpoint
         self.metrics: dict[str, float] = {}
         self.order: tuple[int, list[list[int]]] = (-1, [])
 
@@ -78,7 +79,7 @@ class Trainer:
                     if m.recompute == "selective"
                     else ""
                 ),
-                data=asdict(m),
+                data=m.model_dump(),
             )
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._describe(total_params, n_train)
@@ -87,6 +88,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.hp.warmup_steps, self.hp.total_steps))
         if spec.resume_from:
             self.step_no, self.tokens = self.checkpointer.resume(spec.resume_from, model, self.opt, self.sched)
+            self.saved = self.step_no
             reporter.message(f"Resumed from the checkpoint at step {self.step_no}", data={"step": self.step_no})
 
     def _data(self, model: torch.nn.Module) -> None:
@@ -196,6 +198,12 @@ class Trainer:
             self.model, self.valid_set, self.valid_idx, self.hp.batch_size, self.tpl.pad_id, self.pack_to, self.ranks
         )
 
+    def checkpoint(self, metrics: dict) -> None:
+        step = self.saved = self.step_no
+        key = f"{self.spec.artifacts}/checkpoints/step-{step:07d}"
+        self.checkpointer.save(key, self.model, self.opt, self.sched, step, self.tokens)
+        self.reporter.checkpoint(step, key, {k: v for k, v in metrics.items() if "loss" in k or "accuracy" in k})
+
     def run(self) -> TrainResult:
         self.setup()
         gc.collect()
@@ -204,6 +212,8 @@ class Trainer:
             while self.step_no < self.hp.total_steps:
                 reason = self.ranks.stop(self.reporter)
                 if reason:
+                    if reason == "pause" and self.saved < self.step_no:  # resume continues from here
+                        self.checkpoint(self.metrics)
                     return TrainResult(
                         "stopped", trained_tokens=self.tokens, stop_reason=reason, final_metrics=self.metrics
                     )
@@ -214,11 +224,7 @@ class Trainer:
                     metrics.update(self.evaluate())
                 self.reporter.metrics(step, metrics)
                 if is_ckpt:
-                    key = f"{self.spec.artifacts}/checkpoints/step-{step:07d}"
-                    self.checkpointer.save(key, self.model, self.opt, self.sched, step, self.tokens)
-                    self.reporter.checkpoint(
-                        step, key, {k: v for k, v in metrics.items() if "loss" in k or "accuracy" in k}
-                    )
+                    self.checkpoint(metrics)
         finally:
             for d in {self.train_set, self.valid_set}:
                 d.close()

@@ -23,9 +23,9 @@ from engine.lora import apply_lora
 from engine.memory import apply_swap_core
 from engine.model.hybrid import HybridForCausalLM
 from engine.model.kimi_linear import KimiLinearForCausalLM, init_kimi_linear, kimi_linear_tiny_config
-from engine.spec import LoraSpec, MemorySpec
 from engine.training.ranks import ranks_for
 from engine.training.step import accumulate
+from kiln.spec import LoraSpec, MemorySpec
 
 # documents crossing every slice boundary at 2 and 4 ranks, one-token ones, an empty row end
 LENGTHS = [[190, 1, 57], [120, 3, 90, 35]]

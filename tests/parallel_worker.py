@@ -19,8 +19,8 @@ import torch
 from engine.config import ModelConfig
 from engine.lora import apply_lora
 from engine.model.hybrid import HybridForCausalLM
-from engine.spec import LoraSpec
 from engine.training.step import batch_loss
+from kiln.spec import LoraSpec
 
 ROWS, T = 4, 24
 

@@ -178,7 +178,7 @@ def kimi_linear_lora(
 
     from engine.lora import apply_lora
     from engine.model.kimi_linear import KimiLinearForCausalLM
-    from engine.spec import LoraSpec
+    from kiln.spec import LoraSpec
 
     with torch.device("meta"):
         m = KimiLinearForCausalLM(c)

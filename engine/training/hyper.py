@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.spec import JobSpec
+from kiln.spec import JobSpec
 
 BASE_LR = {"lora": 2e-3, "full": 1e-3}  # measured on kiln-tiny with the sample data; the multiplier scales it
 

@@ -13,8 +13,9 @@ from safetensors.torch import load_file, save_file
 from engine.lora import apply_lora, load_adapter, save_adapter
 from engine.model.common.moe import Router
 from engine.model.registry import save_base
-from engine.spec import JobSpec, Store, TrainResult
+from engine.spec import Store, TrainResult
 from engine.training.hyper import Resolved
+from kiln.spec import JobSpec
 
 
 class LoRA:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.memory import SwapCore
-from engine.spec import MemorySpec
+from kiln.spec import MemorySpec
 from tests.interpret import DEVICE, needs_kernels
 
 pytestmark = needs_kernels

@@ -9,7 +9,7 @@ import torch
 
 from bench.swap_core import ALL, bench_config, build, rel_err, unwrap
 from engine.memory import apply_swap_core
-from engine.spec import MemorySpec
+from kiln.spec import MemorySpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

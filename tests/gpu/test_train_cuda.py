@@ -11,7 +11,7 @@ import torch
 
 import engine
 from engine.reporting import RecordingReporter
-from engine.spec import JobSpec, LoraSpec
+from kiln.spec import JobSpec, LoraSpec
 from kiln.store import LocalStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -242,7 +242,7 @@ def test_absorbed_form_equals_per_head_attention_with_lora():
     LoRA on kv_b_proj included (its factors get the same gradients); with LoRA dropout the block
     runs per head."""
     from engine.lora import apply_lora
-    from engine.spec import LoraSpec
+    from kiln.spec import LoraSpec
 
     m = module(topk=6).train()
     apply_lora(m, LoraSpec(rank=4, alpha=8, target_modules=["kv_b_proj", "q_b_proj"]))

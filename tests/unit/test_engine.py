@@ -14,8 +14,8 @@ import engine
 from engine.lora import apply_lora, lora_state
 from engine.model.tiny import TinyConfig, TinyForCausalLM, init_weights, load_pretrained, save_pretrained
 from engine.reporting import RecordingReporter
-from engine.spec import JobSpec, LoraSpec, MemorySpec
 from kiln.dataset import DatasetError
+from kiln.spec import JobSpec, LoraSpec, MemorySpec
 from kiln.store import LocalStore
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"

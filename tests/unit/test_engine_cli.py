@@ -38,13 +38,15 @@ def test_bad_configs_are_refused_clearly(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("model: kiln-tiny\ntraining_file: x.jsonl\nn_epoch: 3\n")
     out = run("train", str(cfg))
-    assert out.returncode == 2 and "unknown field(s) n_epoch" in out.stderr
+    assert out.returncode == 2 and "n_epoch: unknown field; did you mean 'n_epochs'?" in out.stderr
     cfg.write_text("model: kiln-tiny\n")
-    assert "model and training_file are required" in run("train", str(cfg)).stderr
+    assert "training_file: Field required" in run("train", str(cfg)).stderr
     cfg.write_text("model: kiln-tiny\ntraining_file: x.jsonl\nmemory: {tier: disk}\n")
-    assert "memory.tier: 'disk'; expected device, host or auto" in run("train", str(cfg)).stderr
+    assert "memory.tier: Input should be 'device', 'host' or 'auto'" in run("train", str(cfg)).stderr
     cfg.write_text("model: kiln-tiny\ntraining_file: x.jsonl\nmemory: {budget: 3}\n")
-    assert "unknown memory field(s) budget" in run("train", str(cfg)).stderr
+    assert "memory.budget: unknown field" in run("train", str(cfg)).stderr
+    cfg.write_text("model: kiln-tiny\ntraining_file: x.jsonl\nparallel: {nproc: 2, ep_size: 3}\n")
+    assert "hyperparameters.parallel.ep_size (3) must divide nproc (2)" in run("train", str(cfg)).stderr
     bad_data = tmp_path / "d.jsonl"
     bad_data.write_text('{"messages": [{"role": "user", "content": "q"}]}\n')
     cfg.write_text(f"model: kiln-tiny\ntraining_file: {bad_data}\n")

@@ -10,8 +10,8 @@ from torch import nn
 
 from engine.lora import apply_lora
 from engine.model.registry import BUILTINS, FAMILIES, ensure_builtin, load_base
-from engine.spec import LoraSpec
 from kiln.catalog import CARDS, Targets
+from kiln.spec import LoraSpec
 
 BUILT_IN = {b.card.name: (family, b.card) for family in FAMILIES.values() for b in family.builtins}
 

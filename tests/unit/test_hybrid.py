@@ -12,7 +12,7 @@ from engine.lora import apply_lora
 from engine.model.common.kda import KimiDeltaAttention
 from engine.model.hybrid import HybridForCausalLM
 from engine.model.hybrid.model import HybridLayer
-from engine.spec import LoraSpec
+from kiln.spec import LoraSpec
 from kiln.tokenizer import ByteTokenizer
 
 IMAGE = ByteTokenizer().special("<|image|>")

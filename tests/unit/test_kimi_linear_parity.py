@@ -102,7 +102,7 @@ def test_our_adapter_loads_in_peft_and_gives_our_logits(saved, tmp_path):
     on the transformers model and the logits agree."""
     peft = pytest.importorskip("peft")
     from engine.lora import apply_lora, load_adapter, lora_state, save_adapter
-    from engine.spec import LoraSpec
+    from kiln.spec import LoraSpec
 
     ref, folder = saved
     spec = LoraSpec(

@@ -9,7 +9,7 @@ import torch
 from engine.lora import LoRALinear, apply_lora, merge, unmerge
 from engine.model.common.moe import Router, counts_of
 from engine.model.kimi_linear import KimiLinearForCausalLM, init_kimi_linear, kimi_linear_tiny_config
-from engine.spec import LoraSpec
+from kiln.spec import LoraSpec
 from tests.tolerance import rel
 
 

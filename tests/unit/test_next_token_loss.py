@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine.data import IGNORE
 from engine.lora import apply_lora
 from engine.model.registry import ensure_builtin, load_base
-from engine.spec import LoraSpec
+from kiln.spec import LoraSpec
 from tests.tolerance import rel
 
 

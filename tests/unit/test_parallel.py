@@ -19,8 +19,8 @@ from safetensors.torch import load
 
 import engine
 from engine.reporting import RecordingReporter
-from engine.spec import JobSpec, LoraSpec, MemorySpec, ParallelSpec
 from kiln.dataset import DatasetError
+from kiln.spec import JobSpec, LoraSpec, MemorySpec, ParallelSpec
 from kiln.store import LocalStore
 from tests.parallel_worker import ROWS, build, n_targets, step_loss
 from tests.tolerance import rel
@@ -289,7 +289,7 @@ def test_a_killed_launcher_leaves_no_run_behind(tmp_path):
         ).to_json()
     )
     code = (
-        "import sys, engine; from engine.spec import JobSpec; from kiln.store import LocalStore; "
+        "import sys, engine; from kiln.spec import JobSpec; from kiln.store import LocalStore; "
         "from engine.reporting import RecordingReporter\n"
         "class R(RecordingReporter):\n    def metrics(self, step, values): print('step', step, flush=True)\n"
         f"engine.train(JobSpec.from_json(open({str(tmp_path / 'spec.json')!r}).read()), "

@@ -8,8 +8,8 @@ import pytest
 from engine.config import ModelConfig, count_parameters
 from engine.lora import apply_lora
 from engine.model.hybrid import HybridForCausalLM
-from engine.spec import LoraSpec
 from engine.tools.plan import TARGETS, choose, estimate, fewest_gpus, lora_parameters, main
+from kiln.spec import LoraSpec
 
 
 def test_lora_count_equals_the_model_with_adapters():

@@ -18,7 +18,7 @@ from engine.memory import apply_swap_core
 from engine.memory.swap_core import SwapCore, quantize
 from engine.model.common.moe import Router, situ
 from engine.model.hybrid import HybridForCausalLM
-from engine.spec import LoraSpec, MemorySpec
+from kiln.spec import LoraSpec, MemorySpec
 from kiln_kernels.moe import grouped
 
 OPS = ["mm", "grouped_mm", "kernels"]  # matmuls too: on a CPU the kernels' class has nothing to keep
@@ -502,7 +502,7 @@ def test_a_job_trains_the_same_with_swap_core(tmp_path):
     """Through engine.train: kiln-hybrid-tiny, images, packing, LoRA on the experts too."""
     import engine
     from engine.reporting import RecordingReporter
-    from engine.spec import JobSpec
+    from kiln.spec import JobSpec
     from kiln.store import LocalStore
     from tests.unit.test_engine import SAMPLE
 

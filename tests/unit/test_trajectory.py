@@ -16,7 +16,8 @@ import torch
 
 import engine
 from engine.reporting import RecordingReporter
-from engine.spec import JobSpec, LoraSpec
+from kiln.catalog import LLAMA_STYLE_TARGETS
+from kiln.spec import JobSpec, LoraSpec
 from kiln.store import LocalStore
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
@@ -49,7 +50,9 @@ def run(model: str, tmp_path: Path) -> dict[int, str]:
         seed=7,
         max_steps=4,
         checkpoint_interval=2,
-        lora=LoraSpec(rank=4, alpha=8, dropout=0.1),
+        # the targets named: a job that names none gets its model's card's (kiln.spec), which for
+        # the hybrid are more than these pinned ones
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.1, target_modules=list(LLAMA_STYLE_TARGETS)),
     )
     rec = RecordingReporter()
     threads = torch.get_num_threads()
