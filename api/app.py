@@ -3,24 +3,56 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from api import errors
+from api import errors, openapi
+from api.errors import responses
 from api.routes import adapters, events, files, jobs, keys, models
+
+
+def _end_streams_on_exit() -> None:
+    """Chain a hook before the server's own SIGTERM / SIGINT handler (uvicorn's, installed before
+    the lifespan starts) that ends every open event stream: a clean shutdown waits for open
+    responses, and a stream otherwise lasts as long as its job."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        before = signal.getsignal(sig)
+
+        def hook(signum, frame, before=before):
+            events.SHUTTING_DOWN.set()
+            if callable(before):
+                before(signum, frame)
+
+        signal.signal(sig, hook)
+
+
+@asynccontextmanager
+async def lifespan(_app: FastAPI):
+    _end_streams_on_exit()
+    yield
+    events.SHUTTING_DOWN.set()
 
 
 def create_app() -> FastAPI:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = FastAPI(
-        title="Kiln", version="0.1.0", description="LoRA fine-tuning for Kimi-family models, OpenAI-compatible."
+        title="Kiln",
+        version="0.1.0",
+        description="LoRA fine-tuning for Kimi-family models, OpenAI-compatible.",
+        lifespan=lifespan,
     )
     errors.install(app)
     for r in (files.router, jobs.router, events.router, adapters.router, models.router, keys.router):
-        app.include_router(r)
+        app.include_router(r, responses=responses(401, 429))
+    openapi.install(app)
 
     @app.get("/healthz", include_in_schema=False)
     def healthz():

@@ -23,12 +23,12 @@ BASE_MODELS: dict[str, dict] = {name: card.row() for name, card in CARDS.items()
 def length_bound(model: str, requested: int | None, param: str = "hyperparameters.max_seq_len") -> LengthBound:
     """The job's bound on example length (kiln.dataset.LengthBound); a ``max_seq_len`` over the
     model's position limit is a 400 naming both."""
-    from api.errors import ApiError
+    from api.errors import Invalid
 
     try:
         return LengthBound(model, BASE_MODELS[model]["position_limit"], requested)
     except ValueError as e:
-        raise ApiError(400, f"{param}: {e}", param=param, code="max_seq_len_too_large") from e
+        raise Invalid(f"{param}: {e}", param=param, code="max_seq_len_too_large") from e
 
 
 def tokenizer_for(model: str, store_models: Path):

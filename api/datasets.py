@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from api.errors import ApiError
+from api.errors import Invalid
 from api.settings import Settings
 from kiln.dataset import DatasetError, DatasetSource, Issue, LengthBound, Report, validate
 
@@ -36,12 +36,11 @@ def check_archive(path: Path, settings: Settings) -> None:
     try:
         zf = zipfile.ZipFile(path)
     except zipfile.BadZipFile as e:
-        raise ApiError(400, f"Not a valid zip archive: {e}", param="file", code="invalid_archive") from e
+        raise Invalid(f"Not a valid zip archive: {e}", param="file", code="invalid_archive") from e
     with zf:
         infos = zf.infolist()
         if len(infos) > settings.max_archive_members:
-            raise ApiError(
-                400,
+            raise Invalid(
                 f"Archive has {len(infos)} members, over the limit of {settings.max_archive_members}",
                 param="file",
                 code="invalid_archive",
@@ -56,13 +55,10 @@ def check_archive(path: Path, settings: Settings) -> None:
                 or norm.startswith("../")
                 or (len(name) > 1 and name[1] == ":")
             ):
-                raise ApiError(
-                    400, f"Archive member {name!r} escapes the archive root", param="file", code="invalid_archive"
-                )
+                raise Invalid(f"Archive member {name!r} escapes the archive root", param="file", code="invalid_archive")
             total += info.file_size
         if total > settings.max_archive_unpacked_bytes:
-            raise ApiError(
-                400,
+            raise Invalid(
                 f"Archive unpacks to {total} bytes, over the limit of {settings.max_archive_unpacked_bytes}",
                 param="file",
                 code="invalid_archive",
@@ -91,7 +87,7 @@ def open_source(data: Path, images: Path | None, param: str) -> DatasetSource:
     try:
         return DatasetSource(data, images)
     except DatasetError as e:
-        raise ApiError(400, str(e), param=param, code="invalid_file") from e
+        raise Invalid(str(e), param=param, code="invalid_file") from e
 
 
 def raise_if_bad(report: Report, param: str, what: str) -> None:
@@ -101,8 +97,7 @@ def raise_if_bad(report: Report, param: str, what: str) -> None:
     more = len(report.issues) - 10
     tail = f" (and {more}{'+' if report.truncated else ''} more)" if more > 0 or report.truncated else ""
     issues = [{"line": i.line, "field": i.field, "message": i.message} for i in report.issues]
-    raise ApiError(
-        400,
+    raise Invalid(
         f"Invalid {what}: {shown}{tail}",
         param=param,
         code=f"invalid_{param}",

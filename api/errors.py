@@ -1,6 +1,10 @@
-"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``, and the one place
+that maps the services' domain errors to HTTP.
 
-FastAPI's own 422 body is rewritten into this shape too. Client errors other than 408 and 429 carry
+Services raise ``NotFound``, ``Invalid`` (with ``param``) and ``Conflict``; the transport raises
+``ApiError`` with its own status (401, 413, 415, 429, 507). A request body that fails validation is
+a 400 naming each field once (``kiln.spec.explain``: no pydantic-internal names, "did you mean"
+for a typo), never FastAPI's 422. Client errors other than 408 and 429 carry
 ``x-should-retry: false`` so the OpenAI SDK does not retry what cannot succeed.
 """
 
@@ -12,6 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln.spec import JobRequest, SpecError, explain
+from kiln.types import ErrorResponse
 
 log = logging.getLogger("kiln.api")
 
@@ -44,8 +51,32 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+class NotFound(ApiError):
+    """No such object for this owner (another owner's objects are not found either)."""
+
+    def __init__(self, kind: str, id: str, param: str | None = None):
+        super().__init__(
+            404, f"No {kind} found with id {id!r}", param=param, code=f"{kind.replace(' ', '_')}_not_found"
+        )
+
+
+class Invalid(ApiError):
+    """The request cannot be carried out as given; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, extra: dict | None = None):
+        super().__init__(400, message, param=param, code=code, extra=extra)
+
+
+class Conflict(ApiError):
+    """The request is well formed but the object's state refuses it (a finished job, an
+    Idempotency-Key used for another request)."""
+
+    def __init__(self, message: str, code: str, param: str | None = None):
+        super().__init__(409, message, param=param, code=code)
+
+
 def not_found(kind: str, id: str, param: str | None = None) -> ApiError:
-    return ApiError(404, f"No {kind} found with id {id!r}", param=param, code=f"{kind.replace(' ', '_')}_not_found")
+    return NotFound(kind, id, param)
 
 
 def error_response(
@@ -64,21 +95,7 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-_UNION_TAGS = {"int", "float", "str", "bool", "list", "dict", "none"}
-
-
-def _field(loc: tuple) -> str:
-    """``("body", "lora", "target_modules", 0)`` -> ``lora.target_modules[0]``; union branch tags
-    that pydantic adds (``literal['auto']``, ``int``) are dropped."""
-    parts = [
-        str(p)
-        for p in loc
-        if p not in ("body", "query", "path", "header") and not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))
-    ]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
-    return out
+BODIES = {("POST", "/v1/fine_tuning/jobs"): JobRequest}  # for "did you mean" on an unknown field
 
 
 def install(app: FastAPI) -> None:
@@ -87,15 +104,13 @@ def install(app: FastAPI) -> None:
         return error_response(exc.status, exc.message, exc.param, exc.code, headers=exc.headers, extra=exc.extra)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_req: Request, exc: RequestValidationError):
-        by_field: dict[str, list[str]] = {}
-        for e in exc.errors():  # the branches of a union ('auto' or an int >= 1) join with "or"
-            msgs = by_field.setdefault(_field(tuple(e.get("loc", ()))), [])
-            if e.get("msg") not in msgs:
-                msgs.append(e.get("msg"))
-        text = "; ".join(f"{f or 'body'}: {' or '.join(m)}" for f, m in list(by_field.items())[:5])
-        param = next(iter(by_field), "") or None
-        return error_response(400, text or "invalid request", param=param, code="invalid_request")
+    async def _validation(req: Request, exc: RequestValidationError):
+        text, param = explain(list(exc.errors()), BODIES.get((req.method, req.url.path)))
+        return error_response(400, text, param=param, code="invalid_request")
+
+    @app.exception_handler(SpecError)
+    async def _spec(_req: Request, exc: SpecError):
+        return error_response(400, str(exc), param=exc.param, code="invalid_request")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
@@ -105,3 +120,20 @@ def install(app: FastAPI) -> None:
     async def _unhandled(_req: Request, exc: Exception):
         log.exception("unhandled error")
         return error_response(500, "The server had an error while processing your request.", code="server_error")
+
+
+_MEANING = {
+    400: "The request is invalid; the message names the field",
+    401: "Missing or wrong API key",
+    404: "No such object for this API key's owner",
+    409: "The object's state refuses the request, or the Idempotency-Key was used for another request",
+    413: "The upload is larger than the limit",
+    415: "The upload is not multipart/form-data",
+    429: "Rate limit reached; retry after the Retry-After header's seconds",
+    507: "The store is out of space",
+}
+
+
+def responses(*statuses: int) -> dict[int | str, dict]:
+    """The OpenAPI ``responses`` of the errors a route sends, each in OpenAI's shape."""
+    return {s: {"model": ErrorResponse, "description": _MEANING[s]} for s in statuses}

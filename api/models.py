@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-TERMINAL_STATES = ("succeeded", "failed", "cancelled")
+TERMINAL_STATES = ("succeeded", "failed", "cancelled")  # the statuses and their transitions: api/lifecycle.py
 
 
 def new_id(prefix: str) -> str:
@@ -67,8 +67,11 @@ class Job(Base):
     validation_file: Mapped[str | None] = mapped_column(String(40), nullable=True)
     images_file: Mapped[str | None] = mapped_column(String(40), nullable=True)
     status: Mapped[str] = mapped_column(String(20), default="validating_files", index=True)
+    # as resolved (kiln.spec.resolve: every default filled from the model's card; the trainer
+    # writes its choices for OpenAI's "auto" three here) and, kept apart, as the request gave them
     hyperparameters: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     lora: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    requested: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # {"hyperparameters", "lora"}
     suffix: Mapped[str | None] = mapped_column(String(64), nullable=True)
     seed: Mapped[int] = mapped_column(Integer)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON, nullable=True)
@@ -86,6 +89,9 @@ class Job(Base):
     lease_token: Mapped[str | None] = mapped_column(String(40), nullable=True)
     lease_expires: Mapped[float | None] = mapped_column(Float, nullable=True)
     enqueued_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # what the run measured, for the dataset report's time estimate (api/estimate.py)
+    worker_kind: Mapped[str | None] = mapped_column(String(100), nullable=True)  # "cpu", the GPU's name
+    run_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)  # the worker's wall time, all attempts
 
 
 class JobEvent(Base):
@@ -96,6 +102,7 @@ class JobEvent(Base):
     created_at: Mapped[int] = mapped_column(Integer, default=now)
     level: Mapped[str] = mapped_column(String(10), default="info")
     type: Mapped[str] = mapped_column(String(10), default="message")  # message | metrics
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)  # metrics: the step (one event per step)
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
@@ -113,12 +120,18 @@ class Checkpoint(Base):
 
 
 class IdempotencyRecord(Base):
+    """The answer to a POST sent with an ``Idempotency-Key``, bound to the request's fingerprint
+    (sha256 of method, path, owner and body): the same key with another request is a 409. Kept
+    24 hours (``expires_at``), then the key may be used again."""
+
     __tablename__ = "idempotency_keys"
     __table_args__ = (UniqueConstraint("owner", "key", "endpoint"),)
     pk: Mapped[int] = mapped_column(Integer, primary_key=True)
     owner: Mapped[str] = mapped_column(String(200))
     key: Mapped[str] = mapped_column(String(300))
     endpoint: Mapped[str] = mapped_column(String(300))
+    fingerprint: Mapped[str] = mapped_column(String(64), default="")
     status_code: Mapped[int] = mapped_column(Integer)
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[int] = mapped_column(Integer, default=now)
+    expires_at: Mapped[int] = mapped_column(Integer, default=lambda: now() + 24 * 3600, index=True)

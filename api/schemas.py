@@ -1,126 +1,11 @@
-"""Request bodies (validated) and the public JSON shape of each object (OpenAI's fields)."""
+"""The public JSON shape of each object (OpenAI's fields). Request bodies are ``kiln.spec``'s (the
+job contract, shared with the SDK and the engine); response models are ``kiln.types``'."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
-
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from typing import Any
 
 from api.models import Checkpoint, File, Job, JobEvent
-
-PosInt = Annotated[int, Field(strict=True, ge=1)]
-
-
-def _storable(s: str) -> str:
-    """Text the database can keep: PostgreSQL refuses NUL in text and in JSON. (Unpaired
-    surrogates never get this far: pydantic refuses them while parsing.)"""
-    if "\x00" in s:
-        raise ValueError("must not contain NUL characters")
-    return s
-
-
-Text = Annotated[str, AfterValidator(_storable)]
-
-
-class MemorySettings(BaseModel):
-    """Swap Core: what the backward recomputes and where kept activations live (the engine's
-    MemorySpec; README's "Memory" section)."""
-
-    model_config = ConfigDict(extra="forbid")
-    recompute: Literal["none", "full", "selective"] = "none"
-    cache_ops: list[Literal["mm", "bmm", "grouped_mm", "attention", "kernels", "projections", "experts"]] = Field(
-        ["kernels"], max_length=7
-    )
-    tier: Literal["device", "host", "auto"] = "device"
-    quantize: Literal["none", "fp8", "int8"] = "none"
-    device_budget_mb: Annotated[float, Field(ge=0)] | None = Field(
-        None, description="tier auto: device memory the cache may hold"
-    )
-    blocks: list[Literal["attention", "mlp"]] = Field(
-        ["attention", "mlp"], min_length=1, max_length=2, description="the sublayers recomputed"
-    )
-
-
-class ParallelSettings(BaseModel):
-    """Processes for the job on one worker node (one per GPU; gloo on a CPU worker), how many
-    ways the experts are split and how many ranks share one sequence (context parallel) (the
-    engine's ParallelSpec; README's "Multi-GPU" section)."""
-
-    model_config = ConfigDict(extra="forbid")
-    nproc: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
-    ep_size: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
-    cp_size: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
-
-    @model_validator(mode="after")
-    def _ep_divides(self) -> ParallelSettings:
-        for name in ("ep_size", "cp_size"):
-            if self.nproc % getattr(self, name):
-                raise ValueError(f"{name} ({getattr(self, name)}) must divide nproc ({self.nproc})")
-        return self
-
-
-class Hyperparameters(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    n_epochs: Literal["auto"] | Annotated[int, Field(strict=True, ge=1, le=50)] = "auto"
-    batch_size: Literal["auto"] | Annotated[int, Field(strict=True, ge=1, le=256)] = "auto"
-    learning_rate_multiplier: Literal["auto"] | Annotated[float, Field(gt=0, le=100)] = "auto"
-    # Kiln extras: the OpenAI SDK passes them on unchanged.
-    checkpoint_interval: PosInt | None = Field(None, description="steps between checkpoints; default once per epoch")
-    max_steps: PosInt | None = Field(None, description="stop after this many optimizer steps")
-    max_seq_len: Annotated[int, Field(strict=True, ge=16, le=1 << 20)] | None = None
-    warmup_ratio: Annotated[float, Field(ge=0, le=0.5)] | None = None
-    gradient_accumulation_steps: Annotated[int, Field(strict=True, ge=1, le=256)] | None = None
-    packing: Annotated[bool, Field(strict=True)] | None = Field(
-        None, description="pack short examples into full rows (default on)"
-    )
-    group_by_length: Annotated[bool, Field(strict=True)] | None = None
-    validation_split: Annotated[float, Field(ge=0, le=0.5)] | None = Field(
-        None, description="fraction of the training file held out for validation when no validation_file is given"
-    )
-    memory: MemorySettings | None = Field(None, description="activation recompute and caching (Swap Core)")
-    parallel: ParallelSettings | None = Field(None, description="processes (GPUs) and expert-parallel size")
-
-
-class LoraSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    rank: Annotated[int, Field(strict=True, ge=1, le=1024)] = 8
-    alpha: Annotated[float, Field(gt=0, le=4096)] = 16.0
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    target_modules: list[str] | None = Field(None, min_length=1)
-    target_parameters: list[str] | None = Field(
-        None, description="grouped expert weights, e.g. mlp.experts.gate_up_proj"
-    )
-
-
-class Supervised(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    hyperparameters: Hyperparameters | None = None
-
-
-class Method(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["supervised"]
-    supervised: Supervised | None = None
-
-
-class JobCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(min_length=1, max_length=200)
-    training_file: str = Field(min_length=1, max_length=64)
-    validation_file: str | None = Field(None, max_length=64)
-    images_file: str | None = Field(None, max_length=64, description="zip of the images the JSONL names")
-    hyperparameters: Hyperparameters | None = None
-    method: Method | None = None
-    lora: LoraSettings | None = None
-    suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
-    seed: Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)] | None = None
-    metadata: dict[Text, Text] | None = None
-    integrations: list[Any] | None = None
-
-    def resolved_hyperparameters(self) -> Hyperparameters:
-        if self.method and self.method.supervised and self.method.supervised.hyperparameters:
-            return self.method.supervised.hyperparameters
-        return self.hyperparameters or Hyperparameters()
 
 
 def file_public(f: File) -> dict[str, Any]:
@@ -166,6 +51,7 @@ def job_public(j: Job) -> dict[str, Any]:
         "images_file": j.images_file,
         "lora": j.lora,
         "started_at": j.started_at,
+        "requested": j.requested,
         "cancel_requested": j.cancel_requested,
         "attempt": j.attempt,
     }

@@ -2,32 +2,35 @@
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from api import catalog, queue
+from api import catalog, lifecycle, queue
 from api.datasets import check_dataset, open_source, raise_if_bad
-from api.errors import ApiError, not_found
+from api.errors import Conflict, Invalid, not_found
+from api.estimate import estimate
 from api.models import TERMINAL_STATES, Checkpoint, File, IdempotencyRecord, Job, JobEvent, now
-from api.schemas import JobCreate, LoraSettings
 from api.settings import Settings
+from kiln.catalog import CARDS, ModelCard
 from kiln.dataset import LengthBound, Report
+from kiln.spec import JobRequest, resolve
 from kiln.store import LocalStore
 
 
 # ---- lists -------------------------------------------------------------------------------
 def paginate(session: Session, stmt, model, after: str | None, limit: int, newest_first: bool = True):
-    if not 1 <= limit <= 100:
-        raise ApiError(400, "limit must be between 1 and 100", param="limit")
+    """One page after the cursor ``after`` (an object's id), newest first unless ``newest_first``
+    is False; (rows, has_more)."""
     if after:
         cursor = session.scalar(select(model.pk).where(model.id == after))
         if cursor is None:
-            raise ApiError(400, f"Unknown cursor {after!r}", param="after")
+            raise not_found("object", after, param="after")
         stmt = stmt.where(model.pk < cursor if newest_first else model.pk > cursor)
     stmt = stmt.order_by(model.pk.desc() if newest_first else model.pk.asc()).limit(limit + 1)
     rows = list(session.scalars(stmt))
@@ -35,22 +38,43 @@ def paginate(session: Session, stmt, model, after: str | None, limit: int, newes
 
 
 # ---- idempotency -----------------------------------------------------------------------------
-def replay(session: Session, owner: str, key: str | None, endpoint: str) -> JSONResponse | None:
-    """The stored answer to an earlier request with this Idempotency-Key, if there was one."""
+def fingerprint(owner: str, endpoint: str, *parts: str) -> str:
+    """What makes two requests the same: owner, method and path, and the request's content."""
+    return hashlib.sha256("\n".join((owner, endpoint, *parts)).encode()).hexdigest()
+
+
+def replay(session: Session, owner: str, key: str | None, endpoint: str, fp: str) -> JSONResponse | None:
+    """The stored answer to an earlier request with this Idempotency-Key (kept 24 hours), if there
+    was one; the same key with another request is a 409."""
     if not key:
         return None
     found = session.execute(
-        select(IdempotencyRecord.status_code, IdempotencyRecord.body).where(
-            IdempotencyRecord.owner == owner, IdempotencyRecord.key == key, IdempotencyRecord.endpoint == endpoint
+        select(IdempotencyRecord.status_code, IdempotencyRecord.body, IdempotencyRecord.fingerprint).where(
+            IdempotencyRecord.owner == owner,
+            IdempotencyRecord.key == key,
+            IdempotencyRecord.endpoint == endpoint,
+            IdempotencyRecord.expires_at > now(),
         )
     ).first()
     session.rollback()  # hold no connection while an upload streams in
-    return JSONResponse(found.body, status_code=found.status_code) if found else None
+    if found is None:
+        return None
+    if found.fingerprint != fp:
+        raise Conflict(
+            f"Idempotency-Key {key!r} was already used for a different request to {endpoint} in the last 24 "
+            "hours; send a new key for a new request",
+            code="idempotency_key_reused",
+        )
+    return JSONResponse(found.body, status_code=found.status_code)
 
 
-def remember(session: Session, owner: str, key: str | None, endpoint: str, status: int, body: dict) -> None:
+def remember(session: Session, owner: str, key: str | None, endpoint: str, fp: str, status: int, body: dict) -> None:
+    """Keep the answer for 24 hours (in the caller's transaction); expired keys are dropped here."""
     if key:
-        session.add(IdempotencyRecord(owner=owner, key=key, endpoint=endpoint, status_code=status, body=body))
+        session.execute(delete(IdempotencyRecord).where(IdempotencyRecord.expires_at <= now()))
+        session.add(
+            IdempotencyRecord(owner=owner, key=key, endpoint=endpoint, fingerprint=fp, status_code=status, body=body)
+        )
 
 
 # ---- files -----------------------------------------------------------------------------------
@@ -100,10 +124,10 @@ def _dataset_file(session: Session, owner: str, file_id: str | None, param: str,
         return None
     f = session.scalar(select(File).where(File.id == file_id, File.owner == owner, File.deleted_at.is_(None)))
     if f is None:
-        raise ApiError(400, f"{param} {file_id!r} does not exist", param=param, code=f"invalid_{param}")
+        raise not_found("file", file_id, param=param)
     if f.kind not in kinds or (param != "images_file" and not f.stats.get("examples")):
         want = "a zip of images" if param == "images_file" else "a JSONL dataset (or a zip holding one)"
-        raise ApiError(400, f"{param} {file_id!r} is not {want}", param=param, code=f"invalid_{param}")
+        raise Invalid(f"{param} {file_id!r} is not {want}", param=param, code=f"invalid_{param}")
     return f
 
 
@@ -131,7 +155,9 @@ def dataset_report(
         source.close()
 
 
-def report_public(report: Report, f: File, model: str, length: LengthBound, n_epochs: int) -> dict[str, Any]:
+def report_public(
+    session: Session, report: Report, f: File, model: str, length: LengthBound, n_epochs: int
+) -> dict[str, Any]:
     stats = report.stats()
     training = (stats.get("tokens") or 0) * n_epochs
     return {
@@ -144,58 +170,34 @@ def report_public(report: Report, f: File, model: str, length: LengthBound, n_ep
         "max_seq_len": length.bound,
         "position_limit": length.limit,
         "stats": stats,
-        "estimate": {
-            "n_epochs": n_epochs,
-            "training_tokens": training,
-            "seconds": round(training / catalog.BASE_MODELS[model]["tokens_per_second"], 1),
-        },
+        "estimate": {"n_epochs": n_epochs, "training_tokens": training, **estimate(session, model, training)},
     }
 
 
-def create_job(session: Session, store: LocalStore, settings: Settings, owner: str, req: JobCreate) -> Job:
-    if req.model not in catalog.BASE_MODELS:
-        raise ApiError(
-            400,
-            f"Model {req.model!r} is not available for fine-tuning; available: {', '.join(catalog.BASE_MODELS)}",
-            param="model",
+def check_model(model: str, param: str = "model") -> ModelCard:
+    if model not in CARDS:
+        raise Invalid(
+            f"Model {model!r} is not available for fine-tuning; available: {', '.join(CARDS)}",
+            param=param,
             code="model_not_available",
         )
-    if req.integrations:
-        raise ApiError(400, "Integrations are not supported", param="integrations")
-    hp = req.resolved_hyperparameters().model_dump(exclude_none=True)
-    lora = (req.lora or LoraSettings()).model_dump()
-    info = catalog.BASE_MODELS[req.model]
-    lora["target_modules"] = lora["target_modules"] or list(info["default_targets"])
-    lora["target_parameters"] = lora["target_parameters"] or []
-    for field, allowed in (("target_modules", info["targets"]), ("target_parameters", info["parameters"])):
-        unknown = [t for t in lora[field] if t not in allowed]
-        if unknown:
-            raise ApiError(
-                400,
-                f"lora.{field}: unknown name(s) {', '.join(unknown)} for {req.model}; "
-                f"choose from {', '.join(allowed) or 'none'}",
-                param=f"lora.{field}",
-            )
-    ep = hp.get("parallel", {}).get("ep_size", 1)
-    if ep > 1 and (not info["experts"] or info["experts"] % ep):
-        raise ApiError(
-            400,
-            f"hyperparameters.parallel.ep_size: {ep} does not divide the {info['experts']} experts "
-            f"of {req.model}" + ("" if info["experts"] else " (it has none: use 1)"),
-            param="hyperparameters.parallel.ep_size",
-        )
-    if hp.get("parallel", {}).get("cp_size", 1) > 1 and not info.get("context_parallel"):
-        raise ApiError(
-            400,
-            f"hyperparameters.parallel.cp_size: {req.model} has no context-parallel form yet; use 1 "
-            f"(models with one: {', '.join(m for m, i in catalog.BASE_MODELS.items() if i.get('context_parallel'))})",
-            param="hyperparameters.parallel.cp_size",
-        )
+    return CARDS[model]
+
+
+def create_job(session: Session, store: LocalStore, settings: Settings, owner: str, req: JobRequest) -> Job:
+    """Check the request against the model and the datasets, and store it as asked and as
+    resolved (kiln.spec.resolve); the job is queued once the caller commits and ``start_job``s."""
+    card = check_model(req.model)
     train = _dataset_file(session, owner, req.training_file, "training_file", ("jsonl", "zip"))
     assert train is not None  # training_file is required
     valid = _dataset_file(session, owner, req.validation_file, "validation_file", ("jsonl", "zip"))
     images = _dataset_file(session, owner, req.images_file, "images_file", ("zip",))
-    length = catalog.length_bound(req.model, hp.get("max_seq_len"))
+    requested = {
+        "hyperparameters": req.requested_hyperparameters(),
+        "lora": req.lora.model_dump(exclude_unset=True) if req.lora else {},
+    }
+    resolved = resolve(card, **requested)
+    length = catalog.length_bound(req.model, requested["hyperparameters"].get("max_seq_len"))
     for f, param in ((train, "training_file"), (valid, "validation_file")):
         if f is not None:
             report = dataset_report(store, settings, f, images, req.model, length, param)
@@ -207,8 +209,9 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
         training_file=train.id,
         validation_file=valid.id if valid else None,
         images_file=images.id if images else None,
-        hyperparameters=hp,
-        lora=lora,
+        hyperparameters=resolved.hyperparameters.model_dump(),
+        lora=resolved.lora.model_dump(),
+        requested=requested,
         suffix=req.suffix,
         seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
         meta=req.metadata,
@@ -233,19 +236,25 @@ def start_job(session: Session, job: Job) -> None:
 
 def cancel_job(session: Session, owner: str, job_id: str) -> Job:
     job = get_job(session, owner, job_id)
-    if job.status in TERMINAL_STATES:
-        raise ApiError(409, f"Job {job_id} has already {job.status}", code="job_finished")
-    if job.status in ("validating_files", "queued"):
-        res = session.execute(
-            update(Job)
-            .where(Job.id == job.id, Job.status.in_(("validating_files", "queued")))
-            .values(status="cancelled", finished_at=now(), cancel_requested=True)
-        )
-        if res.rowcount:  # type: ignore[attr-defined]  # an UPDATE's Result is a CursorResult
-            add_event(session, job.id, "Job cancelled before it started")
-    if not job.cancel_requested:
-        session.execute(update(Job).where(Job.id == job.id).values(cancel_requested=True))
-        add_event(session, job.id, "Cancellation requested; the job stops at the next step")
+    lifecycle.cancel(session, job)
+    session.commit()
+    session.refresh(job)
+    return job
+
+
+def pause_job(session: Session, owner: str, job_id: str) -> Job:
+    job = get_job(session, owner, job_id)
+    lifecycle.pause(session, job)
+    session.commit()
+    session.refresh(job)
+    return job
+
+
+def resume_job(session: Session, owner: str, job_id: str) -> Job:
+    job = get_job(session, owner, job_id)
+    if lifecycle.resume(session, job):
+        session.commit()
+        start_job(session, job)
     session.commit()
     session.refresh(job)
     return job

@@ -16,11 +16,17 @@ from kiln.errors import (
     PayloadTooLargeError,
     RateLimitError,
 )
+from kiln.spec import Hyperparameters, JobRequest, LoraSpec, MemorySpec, ParallelSpec
 
 __version__ = "0.1.0"
 __all__ = [
     "Client",
     "Page",
+    "Hyperparameters",
+    "JobRequest",
+    "LoraSpec",
+    "MemorySpec",
+    "ParallelSpec",
     "KilnError",
     "APIConnectionError",
     "APIStatusError",

@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from kiln.errors import APIConnectionError, from_response
+from kiln.spec import Hyperparameters, JobRequest, LoraSpec, explain
 from kiln.types import ApiKeyInfo, Checkpoint, FileObject, Job, JobEvent, Model
 
 
@@ -214,31 +216,54 @@ class Jobs:
 
     def create(
         self,
-        model: str,
-        training_file: str,
+        model: str | JobRequest,
+        training_file: str | None = None,
         *,
         validation_file: str | None = None,
         images_file: str | None = None,
-        hyperparameters: dict[str, Any] | None = None,
-        lora: dict[str, Any] | None = None,
+        hyperparameters: Hyperparameters | dict[str, Any] | None = None,
+        lora: LoraSpec | dict[str, Any] | None = None,
         suffix: str | None = None,
         seed: int | None = None,
         metadata: dict[str, str] | None = None,
     ) -> Job:
-        body = {
-            "model": model,
-            "training_file": training_file,
-            "validation_file": validation_file,
-            "images_file": images_file,
-            "hyperparameters": hyperparameters,
-            "lora": lora,
-            "suffix": suffix,
-            "seed": seed,
-            "metadata": metadata,
-        }
-        return Job(
-            **self._c._json("POST", "/v1/fine_tuning/jobs", json={k: v for k, v in body.items() if v is not None})
-        )
+        """Start a fine-tune. Takes the job contract (``kiln.spec``) typed: a whole
+        ``JobRequest``, or its fields with ``Hyperparameters`` / ``LoraSpec`` (or plain dicts of
+        theirs). The request is checked here first, as the server checks it: a typo'd field or a
+        value out of bounds raises ``ValueError`` naming it before anything is sent."""
+        if isinstance(model, JobRequest):
+            request = model
+        else:
+            fields = {
+                "model": model,
+                "training_file": training_file,
+                "validation_file": validation_file,
+                "images_file": images_file,
+                "hyperparameters": hyperparameters,
+                "lora": lora,
+                "suffix": suffix,
+                "seed": seed,
+                "metadata": metadata,
+            }
+            as_dicts = {
+                k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v
+                for k, v in fields.items()
+                if v is not None
+            }
+            try:
+                request = JobRequest.model_validate(as_dicts)
+            except ValidationError as e:
+                raise ValueError(explain(e, JobRequest)[0]) from None
+        body = request.model_dump(mode="json", exclude_unset=True)
+        return Job(**self._c._json("POST", "/v1/fine_tuning/jobs", json=body))
+
+    def pause(self, job_id: str) -> Job:
+        """A queued job pauses at once; a running one saves a checkpoint at its next step."""
+        return Job(**self._c._json("POST", f"/v1/fine_tuning/jobs/{job_id}/pause"))
+
+    def resume(self, job_id: str) -> Job:
+        """Back in line; it continues from the checkpoint it paused at."""
+        return Job(**self._c._json("POST", f"/v1/fine_tuning/jobs/{job_id}/resume"))
 
     def list(self, limit: int = 20) -> Page[Job]:
         return Page(self._c, "/v1/fine_tuning/jobs", Job, {"limit": limit})

@@ -42,6 +42,10 @@ class Upload:
         self._hash.update(chunk)
         self._f.write(chunk)
 
+    def sha256(self) -> str:
+        """The hash of the bytes received so far (all of them once the upload is received)."""
+        return self._hash.hexdigest()
+
     def finish(self) -> None:
         """Flush to disk; the temp file can then be read for validation."""
         self._f.flush()

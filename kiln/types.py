@@ -3,7 +3,7 @@ additions are not lost."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -16,12 +16,21 @@ class _Obj(BaseModel):
 
 class FileObject(_Obj):
     id: str
+    object: Literal["file"] = "file"
     bytes: int
     created_at: int
     filename: str
     purpose: str
     status: str
+    status_details: str | None = None
+    expires_at: int | None = None
     stats: dict[str, Any] = {}
+
+
+class FileDeleted(_Obj):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
 
 
 class JobError(_Obj):
@@ -30,9 +39,19 @@ class JobError(_Obj):
     param: str | None = None
 
 
+class JobHyperparameters(_Obj):
+    n_epochs: int | str = "auto"
+    batch_size: int | str = "auto"
+    learning_rate_multiplier: float | str = "auto"
+
+
 class Job(_Obj):
+    """A fine-tuning job as the API shows it: OpenAI's fields, then Kiln's (the resolved
+    ``lora``, ``images_file``, ``requested``: the settings as the request gave them)."""
+
     id: str
-    status: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    status: Literal["validating_files", "queued", "running", "pausing", "paused", "succeeded", "failed", "cancelled"]
     model: str
     created_at: int
     training_file: str
@@ -40,10 +59,22 @@ class Job(_Obj):
     fine_tuned_model: str | None = None
     finished_at: int | None = None
     trained_tokens: int | None = None
-    hyperparameters: dict[str, Any] = {}
+    hyperparameters: JobHyperparameters = JobHyperparameters()
     error: JobError | None = None
     suffix: str | None = None
     seed: int | None = None
+    organization_id: str | None = None
+    result_files: list[str] = []
+    estimated_finish: int | None = None
+    integrations: list[Any] = []
+    metadata: dict[str, str] | None = None
+    method: dict[str, Any] | None = None
+    images_file: str | None = None
+    lora: dict[str, Any] = {}
+    requested: dict[str, Any] = {}
+    started_at: int | None = None
+    cancel_requested: bool = False
+    attempt: int = 0
 
     @property
     def done(self) -> bool:
@@ -52,6 +83,7 @@ class Job(_Obj):
 
 class JobEvent(_Obj):
     id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
     created_at: int
     level: str
     message: str
@@ -61,6 +93,7 @@ class JobEvent(_Obj):
 
 class Checkpoint(_Obj):
     id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
     created_at: int
     step_number: int
     metrics: dict[str, Any]
@@ -70,14 +103,77 @@ class Checkpoint(_Obj):
 
 class Model(_Obj):
     id: str
+    object: Literal["model"] = "model"
     created: int
     owned_by: str
+    root: str | None = None
+    fine_tuning_job_id: str | None = None
 
 
 class ApiKeyInfo(_Obj):
     id: str
+    object: Literal["api_key"] = "api_key"
     name: str
     prefix: str
     created_at: int
     revoked_at: int | None = None
     secret: str | None = None  # only in the answer that created the key
+
+
+class ReportIssue(_Obj):
+    line: int | None = None
+    field: str | None = None
+    message: str
+
+
+class Estimate(_Obj):
+    """How long training the dataset takes, from finished jobs on the model (``basis`` says which,
+    ``confidence`` none | low | medium | high), with a range."""
+
+    n_epochs: int
+    training_tokens: int
+    seconds: float
+    low: float
+    high: float
+    confidence: Literal["none", "low", "medium", "high"]
+    worker_kind: str | None = None
+    basis: str
+
+
+class DatasetReport(_Obj):
+    object: Literal["dataset.report"] = "dataset.report"
+    file_id: str
+    model: str
+    ok: bool
+    issues: list[ReportIssue]
+    issues_truncated: bool
+    max_seq_len: int | None = None
+    position_limit: int | None = None
+    stats: dict[str, Any]
+    estimate: Estimate
+
+
+T = TypeVar("T")
+
+
+class ListOf(_Obj, Generic[T]):
+    """A page of a list: ``data``, and the cursor fields OpenAI's lists carry."""
+
+    object: Literal["list"] = "list"
+    data: list[T]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class ErrorBody(_Obj):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Obj):
+    """Every error: OpenAI's shape (a dataset's errors add ``issues`` inside ``error``)."""
+
+    error: ErrorBody

@@ -1,16 +1,18 @@
 """The reporter the engine calls: every call is a small committed write, fenced by the lease
-token so a worker that lost its job cannot write into it."""
+token (``api.lifecycle.fence``) so a worker that lost its job cannot write into it."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from api import lifecycle
 from api.db import session_scope
 from api.models import Checkpoint, Job, JobEvent
 
@@ -32,16 +34,31 @@ def _retrying(write):
 
 
 class DBReporter:
+    """The engine's reporter for one claimed job. Every write runs in one transaction behind
+    ``lifecycle.fence`` (the job's row locked while this worker's lease holds); a write after the
+    lease was lost is dropped and the trainer told to stop."""
+
     def __init__(self, job_id: str, token: str, poll_seconds: float = 1.0):
         self.job_id, self.token, self.poll_seconds = job_id, token, poll_seconds
         self._next_poll = 0.0
         self._stop: str | None = None
         self.lease_lost = False  # set by the heartbeat thread too
 
+    def _write(self, write: Callable[[Session], Any]) -> Any:
+        def fenced(s: Session) -> Any:
+            if not lifecycle.fence(s, self.job_id, self.token):
+                self.lease_lost = True
+                return None
+            return write(s)
+
+        return _retrying(fenced)
+
     def message(self, text: str, level: str = "info", data: dict[str, Any] | None = None) -> None:
-        _retrying(lambda s: s.add(JobEvent(job_id=self.job_id, message=text, level=level, type="message", data=data)))
+        self._write(lambda s: s.add(JobEvent(job_id=self.job_id, message=text, level=level, type="message", data=data)))
 
     def metrics(self, step: int, values: dict[str, Any]) -> None:
+        """One metrics event per step: a resumed run replays the steps after its checkpoint (to
+        the same losses) and their events are not written twice."""
         loss = values.get("train_loss")
         text = (
             f"Step {step}/{values.get('total_steps', '?')}: training loss={loss:.4f}"
@@ -50,7 +67,17 @@ class DBReporter:
         )
         if "valid_loss" in values:
             text += f", validation loss={values['valid_loss']:.4f}"
-        _retrying(lambda s: s.add(JobEvent(job_id=self.job_id, message=text, type="metrics", data=values)))
+
+        def write(s: Session) -> None:
+            seen = s.scalar(
+                select(JobEvent.pk)
+                .where(JobEvent.job_id == self.job_id, JobEvent.type == "metrics", JobEvent.step >= step)
+                .limit(1)
+            )
+            if seen is None:
+                s.add(JobEvent(job_id=self.job_id, message=text, type="metrics", step=step, data=values))
+
+        self._write(write)
 
     def checkpoint(self, step: int, key: str, metrics: dict[str, Any]) -> None:
         def write(s: Session) -> None:
@@ -58,10 +85,10 @@ class DBReporter:
             s.add(Checkpoint(job_id=self.job_id, step=step, store_key=key, metrics=metrics))
             s.add(JobEvent(job_id=self.job_id, message=f"Checkpoint saved at step {step}", data={"step": step}))
 
-        _retrying(write)
+        self._write(write)
 
     def resolved(self, hyperparameters: dict[str, Any]) -> None:
-        _retrying(lambda s: self._resolved(s, hyperparameters))
+        self._write(lambda s: self._resolved(s, hyperparameters))
 
     def _resolved(self, s: Session, hyperparameters: dict[str, Any]) -> None:
         job = s.scalar(select(Job).where(Job.id == self.job_id))
@@ -79,27 +106,17 @@ class DBReporter:
         )
 
     def should_stop(self) -> str | None:
+        """'lease_lost', 'cancel' or 'pause' (read from the job's row at most once a second)."""
         if self.lease_lost:
             return "lease_lost"
-        now = time.monotonic()
-        if self._stop is None and now >= self._next_poll:
-            self._next_poll = now + self.poll_seconds
-            row = _retrying(
-                lambda s: s.execute(select(Job.cancel_requested, Job.lease_token).where(Job.id == self.job_id)).one()
-            )
-            if row.lease_token != self.token:
-                self._stop = "lease_lost"
-            elif row.cancel_requested:
-                self._stop = "cancel"
+        t = time.monotonic()
+        if self._stop is None and t >= self._next_poll:
+            self._next_poll = t + self.poll_seconds
+            self._stop = _retrying(lambda s: lifecycle.stop_reason(s, self.job_id, self.token))
         return self._stop
 
-    def fenced_update(self, **values: Any) -> bool:
-        """Update the job only while this worker still holds its lease."""
-        return _retrying(
-            lambda s: (
-                s.execute(
-                    update(Job).where(Job.id == self.job_id, Job.lease_token == self.token).values(**values)
-                ).rowcount
-                == 1
-            )
-        )
+    def heartbeat(self, lease_seconds: float) -> bool:
+        return _retrying(lambda s: lifecycle.heartbeat(s, self.job_id, self.token, lease_seconds))
+
+    def finish(self, status: str, message: str, level: str = "info", **values: Any) -> bool:
+        return _retrying(lambda s: lifecycle.finish(s, self.job_id, self.token, status, message, level, **values))

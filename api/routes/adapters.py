@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import zipfile
+from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import FileResponse
@@ -14,10 +15,13 @@ from starlette.background import BackgroundTask
 from api import services
 from api.auth import current_owner
 from api.deps import get_session, get_store
-from api.errors import ApiError
+from api.errors import Conflict, responses
 from kiln.store import LocalStore
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs")
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+ZIP: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/zip": {}}, "description": "the adapter in the PEFT layout, zipped"}
+}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")
 
 
@@ -25,7 +29,7 @@ def _name(model: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
 
 
-@router.get("/{job_id}/adapter")
+@router.get("/{job_id}/adapter", response_class=FileResponse, responses={**ZIP, **responses(404, 409)})
 def download_adapter(
     job_id: str,
     owner: str = Depends(current_owner),
@@ -34,11 +38,10 @@ def download_adapter(
 ):
     job = services.get_job(session, owner, job_id)
     if job.status != "succeeded" or not job.adapter_key:
-        raise ApiError(
-            409,
+        raise Conflict(
             f"Job {job_id} is {job.status}: the adapter is ready once it has succeeded "
             "(checkpoint adapters are under /checkpoints/{id}/adapter)",
-            code="adapter_not_ready",
+            "adapter_not_ready",
         )
     return FileResponse(
         store.path(job.adapter_key),
@@ -47,7 +50,7 @@ def download_adapter(
     )
 
 
-@router.get("/{job_id}/checkpoints/{ckpt_id}/adapter")
+@router.get("/{job_id}/checkpoints/{ckpt_id}/adapter", response_class=FileResponse, responses={**ZIP, **responses(404)})
 def download_checkpoint_adapter(
     job_id: str,
     ckpt_id: str,

@@ -2,7 +2,8 @@
 
 Each event is ``id: <cursor>``, ``event: message|metrics|status``, ``data: <event JSON>``. A client
 that reconnects with ``Last-Event-ID`` continues where it stopped; the stream ends with an
-``end`` event once the job has finished and every event was sent.
+``end`` event once the job has finished and every event was sent, or with a ``shutdown`` event
+when the server stops (reconnect with ``Last-Event-ID``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 
 from fastapi import APIRouter, Depends, Header, Query
@@ -22,13 +24,18 @@ from api import services
 from api.auth import current_owner
 from api.db import get_sessionmaker
 from api.deps import get_session
+from api.errors import responses
 from api.models import TERMINAL_STATES, Job
 from api.schemas import event_public
 from api.settings import get_settings
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs")
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 log = logging.getLogger("kiln.api")
 MAX_CURSOR = 2**31 - 1  # event pks are 32-bit integers
+# Set when the server is told to stop (api.app installs the signal hook): every open stream ends
+# at its next poll, so a clean shutdown does not wait for running jobs; clients reconnect with
+# Last-Event-ID, to this server once it is back or to another.
+SHUTTING_DOWN = threading.Event()
 
 
 def _poll(job_id: str, cursor: int) -> tuple[list, str | None]:
@@ -63,13 +70,23 @@ async def _frames(job_id: str, cursor: int):
         if status in TERMINAL_STATES:
             yield f"event: end\ndata: {json.dumps({'id': job_id, 'status': status})}\n\n"
             return
+        if SHUTTING_DOWN.is_set():
+            yield f"event: shutdown\ndata: {json.dumps({'id': job_id, 'reconnect': True})}\n\n"
+            return
         if time.monotonic() - last_sent > settings.sse_keepalive_seconds:
             last_sent = time.monotonic()
             yield ": keep-alive\n\n"
         await asyncio.sleep(settings.sse_poll_seconds)
 
 
-@router.get("/{job_id}/events/stream")
+@router.get(
+    "/{job_id}/events/stream",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events until the job ends"},
+        **responses(404),
+    },
+)
 def stream_events(
     job_id: str,
     owner: str = Depends(current_owner),

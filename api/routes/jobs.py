@@ -1,82 +1,110 @@
-"""/v1/fine_tuning/jobs: create, list, retrieve, cancel, events, checkpoints."""
+"""/v1/fine_tuning/jobs: create, list, retrieve, cancel, pause, resume, events, checkpoints."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Header, Query
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api import services
 from api.auth import current_owner
 from api.deps import get_session, get_store
+from api.errors import responses
 from api.models import Job
-from api.schemas import JobCreate, checkpoint_public, event_public, job_public, page
+from api.schemas import checkpoint_public, event_public, job_public, page
 from api.settings import get_settings
+from kiln.spec import JobRequest
 from kiln.store import LocalStore
+from kiln.types import Checkpoint, JobEvent, ListOf
+from kiln.types import Job as JobOut
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs")
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+CREATE = "POST /v1/fine_tuning/jobs"
+Limit = Query(20, ge=1, le=100, description="page size")
 
 
-@router.post("")
+@router.post("", response_model=JobOut, responses=responses(400, 404, 409))
 def create_job(
-    req: JobCreate,
+    req: JobRequest,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
     store: LocalStore = Depends(get_store),
-    idem: str | None = Header(None, alias="Idempotency-Key"),
+    idem: str | None = Header(None, alias="Idempotency-Key", max_length=300),
 ):
-    prior = services.replay(session, owner, idem, "POST /v1/fine_tuning/jobs")
+    fp = services.fingerprint(owner, CREATE, req.model_dump_json(exclude_unset=True))
+    prior = services.replay(session, owner, idem, CREATE, fp)
     if prior:
         return prior
     job = services.create_job(session, store, get_settings(), owner, req)
     body = job_public(job)
-    services.remember(session, owner, idem, "POST /v1/fine_tuning/jobs", 200, body)
-    session.commit()
+    services.remember(session, owner, idem, CREATE, fp, 200, body)
+    try:
+        session.commit()
+    except IntegrityError:  # the same key, sent twice at once: the other request made the job
+        session.rollback()
+        prior = services.replay(session, owner, idem, CREATE, fp)
+        if prior is None:
+            raise
+        return prior
     services.start_job(session, job)
     return body
 
 
-@router.get("")
+@router.get("", response_model=ListOf[JobOut], responses=responses(404))
 def list_jobs(
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    after: str | None = None,
-    limit: int = Query(20),
+    after: str | None = Query(None, max_length=64, description="the last job id of the previous page"),
+    limit: int = Limit,
 ):
     rows, more = services.paginate(session, select(Job).where(Job.owner == owner), Job, after, limit)
     return page([job_public(j) for j in rows], more)
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", response_model=JobOut, responses=responses(404))
 def retrieve_job(job_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
     return job_public(services.get_job(session, owner, job_id))
 
 
-@router.post("/{job_id}/cancel")
+@router.post("/{job_id}/cancel", response_model=JobOut, responses=responses(404, 409))
 def cancel_job(job_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
     return job_public(services.cancel_job(session, owner, job_id))
 
 
-@router.get("/{job_id}/events")
+@router.post("/{job_id}/pause", response_model=JobOut, responses=responses(404, 409))
+def pause_job(job_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
+    """A queued job is paused at once; a running one saves a checkpoint at its next step and lets
+    its worker go (``pausing``, then ``paused``)."""
+    return job_public(services.pause_job(session, owner, job_id))
+
+
+@router.post("/{job_id}/resume", response_model=JobOut, responses=responses(404, 409))
+def resume_job(job_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
+    """A paused job goes back in line and continues from its last checkpoint, exactly."""
+    return job_public(services.resume_job(session, owner, job_id))
+
+
+@router.get("/{job_id}/events", response_model=ListOf[JobEvent], responses=responses(404))
 def list_events(
     job_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    after: str | None = None,
-    limit: int = Query(20),
+    after: str | None = Query(None, max_length=64, description="the last event id of the previous page"),
+    limit: int = Limit,
 ):
     job = services.get_job(session, owner, job_id)
     rows, more = services.list_events(session, job, after, limit)
     return page([event_public(e) for e in rows], more)
 
 
-@router.get("/{job_id}/checkpoints")
+@router.get("/{job_id}/checkpoints", response_model=ListOf[Checkpoint], responses=responses(404))
 def list_checkpoints(
     job_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    after: str | None = None,
-    limit: int = Query(10),
+    after: str | None = Query(None, max_length=64, description="the last checkpoint id of the previous page"),
+    limit: int = Query(10, ge=1, le=100, description="page size"),
 ):
     job = services.get_job(session, owner, job_id)
     rows, more = services.list_checkpoints(session, job, after, limit)

@@ -10,11 +10,12 @@ from sqlalchemy.orm import Session
 
 from api.auth import create_key, current_owner, revoke_key
 from api.deps import get_session
-from api.errors import not_found
+from api.errors import not_found, responses
 from api.models import ApiKey
-from api.schemas import Text
+from kiln.spec import Text
+from kiln.types import ApiKeyInfo, ListOf
 
-router = APIRouter(prefix="/v1/keys")
+router = APIRouter(prefix="/v1/keys", tags=["keys"])
 
 
 class KeyCreate(BaseModel):
@@ -33,20 +34,20 @@ def key_public(k: ApiKey) -> dict:
     }
 
 
-@router.get("")
+@router.get("", response_model=ListOf[ApiKeyInfo])
 def list_keys(owner: str = Depends(current_owner), session: Session = Depends(get_session)):
     keys = session.scalars(select(ApiKey).where(ApiKey.owner == owner).order_by(ApiKey.pk))
     return {"object": "list", "data": [key_public(k) for k in keys], "has_more": False}
 
 
-@router.post("")
+@router.post("", response_model=ApiKeyInfo, responses=responses(400))
 def new_key(req: KeyCreate, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
     key, secret = create_key(session, owner, req.name)
     session.commit()
     return {**key_public(key), "secret": secret}
 
 
-@router.delete("/{key_id}")
+@router.delete("/{key_id}", response_model=ApiKeyInfo, responses=responses(404))
 def revoke(key_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
     key = revoke_key(session, key_id, owner)
     if key is None:

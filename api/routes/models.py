@@ -8,17 +8,18 @@ from sqlalchemy.orm import Session
 from api import services
 from api.auth import current_owner
 from api.deps import get_session
-from api.errors import not_found
+from api.errors import not_found, responses
+from kiln.types import ListOf, Model
 
-router = APIRouter(prefix="/v1/models")
+router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
-@router.get("")
+@router.get("", response_model=ListOf[Model])
 def list_models(owner: str = Depends(current_owner), session: Session = Depends(get_session)):
     return {"object": "list", "data": services.models_for(session, owner)}
 
 
-@router.get("/{model_id:path}")
+@router.get("/{model_id:path}", response_model=Model, responses=responses(404))
 def retrieve_model(model_id: str, owner: str = Depends(current_owner), session: Session = Depends(get_session)):
     for m in services.models_for(session, owner):
         if m["id"] == model_id:

@@ -79,7 +79,7 @@ def test_every_route_hides_other_owners_objects(stack, alices):
                     assert not any(v in body for v in params.values()), (method, path)
                 checked += 1
         r = bob.post("/v1/fine_tuning/jobs", json={"model": "kiln-tiny", "training_file": alices["file_id"]})
-        assert r.status_code == 400 and "does not exist" in r.json()["error"]["message"]
+        assert r.status_code == 404 and "No file found" in r.json()["error"]["message"]
     assert checked >= 15  # every route of the spec was tried
     with stack.client() as alice:  # and nothing of alice's changed
         assert alice.get(f"/v1/files/{alices['file_id']}").status_code == 200
