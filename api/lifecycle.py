@@ -1,6 +1,6 @@
 """A fine-tuning job's statuses and every transition between them, in one place: the routes call
-``pause``, ``resume`` and ``cancel``; the worker ``claim``s, ``heartbeat``s, writes under ``fence``
-and ``finish``es; the reaper ``requeue``s.
+``create``, ``sent`` (queued), ``pause``, ``resume`` and ``cancel``; the worker ``claim``s,
+``heartbeat``s, writes under ``fence`` and ``finish``es; the reaper ``requeue``s.
 
     validating_files -> queued -> running -> succeeded | failed | cancelled
     queued -> paused (at once: no worker holds it; its message stays in the broker's line)
@@ -39,6 +39,25 @@ def _moved(s: Session, job_id: str, where, **values) -> bool:
 
 
 # ---- the API's transitions --------------------------------------------------------------------
+def create(s: Session, job: Job, examples: int | None) -> None:
+    """A new job, its files checked (services.create_job): queued once the caller commits."""
+    job.status = "validating_files"
+    s.add(job)
+    s.flush()
+    _event(s, job.id, f"Validating training file: {job.training_file}")
+    _event(s, job.id, f"Files validated ({examples} examples), moving job to queued state")
+    job.status = "queued"
+
+
+def sent(s: Session, job_id: str, ok: bool) -> None:
+    """The job's message went to the broker (or could not: the reaper sends queued jobs that have
+    no ``enqueued_at``)."""
+    if ok:
+        _moved(s, job_id, Job.id == job_id, enqueued_at=time.time())
+    else:
+        _event(s, job_id, "The queue could not be reached; the job will be sent again shortly", level="warn")
+
+
 def pause(s: Session, job: Job) -> None:
     """OpenAI's pause: a queued job pauses at once; a running one is asked to (``pausing``) and the
     worker saves a checkpoint and stops at its next step."""

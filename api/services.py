@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import time
 from typing import Any
 
 from fastapi.responses import JSONResponse
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from api import catalog, lifecycle, queue
@@ -215,22 +214,14 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
         suffix=req.suffix,
         seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
         meta=req.metadata,
-        status="validating_files",
     )
-    session.add(job)
-    session.flush()
-    add_event(session, job.id, f"Validating training file: {train.id}")
-    add_event(session, job.id, f"Files validated ({train.stats.get('examples')} examples), moving job to queued state")
-    job.status = "queued"
+    lifecycle.create(session, job, train.stats.get("examples"))
     return job
 
 
 def start_job(session: Session, job: Job) -> None:
     """Commit done: hand the job to the queue (only the id travels)."""
-    if queue.enqueue(job.id):
-        session.execute(update(Job).where(Job.id == job.id).values(enqueued_at=time.time()))
-    else:  # the reaper sends queued jobs that have no enqueued_at
-        add_event(session, job.id, "The queue could not be reached; the job will be sent again shortly", level="warn")
+    lifecycle.sent(session, job.id, queue.enqueue(job.id))
     session.commit()
 
 
