@@ -26,6 +26,7 @@ def file_public(f: File) -> dict[str, Any]:
 def job_public(j: Job) -> dict[str, Any]:
     hp = {k: j.hyperparameters.get(k, "auto") for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
     extras = {k: v for k, v in j.hyperparameters.items() if k not in hp}
+    method = j.requested.get("method", "supervised")
     return {
         "id": j.id,
         "object": "fine_tuning.job",
@@ -46,7 +47,7 @@ def job_public(j: Job) -> dict[str, Any]:
         "integrations": [],
         "metadata": j.meta,
         "suffix": j.suffix,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": {**hp, **extras}}},
+        "method": {"type": method, method: {"hyperparameters": {**hp, **extras}}},
         # Kiln extras
         "images_file": j.images_file,
         "lora": j.lora,

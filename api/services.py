@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 from typing import Any
 
@@ -183,28 +184,97 @@ def check_model(model: str, param: str = "model") -> ModelCard:
     return CARDS[model]
 
 
+def start_point(session: Session, owner: str, model: str) -> tuple[ModelCard, dict[str, Any] | None]:
+    """The base model a job trains, and where it starts when ``model`` is one of the owner's
+    fine-tunes: ``ft:...`` (its final adapter, a fresh optimizer) or a checkpoint, by id
+    (``ftckpt_...``) or by name (``ft:...:ckpt-step-N``: the whole training state, so the job
+    continues exactly as the earlier one would have). Another owner's is not found."""
+    if model in CARDS or not model.startswith(("ft:", "ftckpt_")):
+        return check_model(model), None
+    parent: Job | None
+    ckpt: Checkpoint | None
+    if model.startswith("ftckpt_"):
+        found = session.execute(
+            select(Checkpoint, Job)
+            .join(Job, Job.id == Checkpoint.job_id)
+            .where(Checkpoint.id == model, Job.owner == owner)
+        ).first()
+        if found is None:
+            raise not_found("model", model, param="model")
+        ckpt, parent = found.tuple()
+    else:
+        name, _, step = model.partition(":ckpt-step-")
+        named = (Job.fine_tuned_model == name) | (Job.id == name.rsplit(":", 1)[-1])  # or a running job's
+        parent = session.scalar(select(Job).where(Job.owner == owner, named))
+        if parent is None or (not step and parent.status != "succeeded"):
+            raise not_found("model", model, param="model")
+        query = select(Checkpoint).where(Checkpoint.job_id == parent.id)
+        query = query.where(Checkpoint.step == int(step)) if step.isdigit() else query.order_by(Checkpoint.step.desc())
+        ckpt = session.scalar(query.limit(1))
+        if ckpt is None:
+            raise not_found("model", model, param="model")
+        if not step:  # the final adapter: its weights only
+            return CARDS[parent.model], {
+                "model": model,
+                "job": parent.id,
+                "adapter": ckpt.store_key,
+                "lora": parent.lora,
+            }
+    return CARDS[parent.model], {
+        "model": model,
+        "job": parent.id,
+        "checkpoint": ckpt.store_key,
+        "step": ckpt.step,
+        "lora": parent.lora,
+    }
+
+
 def create_job(session: Session, store: LocalStore, settings: Settings, owner: str, req: JobRequest) -> Job:
     """Check the request against the model and the datasets, and store it as asked and as
     resolved (kiln.spec.resolve); the job is queued once the caller commits and ``start_job``s."""
-    card = check_model(req.model)
+    card, parent = start_point(session, owner, req.model)
     train = _dataset_file(session, owner, req.training_file, "training_file", ("jsonl", "zip"))
     assert train is not None  # training_file is required
     valid = _dataset_file(session, owner, req.validation_file, "validation_file", ("jsonl", "zip"))
     images = _dataset_file(session, owner, req.images_file, "images_file", ("zip",))
-    requested = {
+    requested: dict[str, Any] = {
         "hyperparameters": req.requested_hyperparameters(),
         "lora": req.lora.model_dump(exclude_unset=True) if req.lora else {},
+        "method": req.method_type,
     }
-    resolved = resolve(card, **requested)
-    length = catalog.length_bound(req.model, requested["hyperparameters"].get("max_seq_len"))
+    lora = requested["lora"]
+    if parent is not None:  # the adapter goes on training: the earlier job's, as it was
+        changed = sorted(k for k, v in lora.items() if parent["lora"].get(k) != v)
+        if changed:
+            raise Invalid(
+                f"lora.{changed[0]}: a job continued from {req.model} keeps its adapter's settings "
+                f"({json.dumps(parent['lora'][changed[0]])}); leave lora out",
+                param=f"lora.{changed[0]}",
+            )
+        lora = parent.pop("lora")
+        requested["from"] = parent
+    resolved = resolve(card, requested["hyperparameters"], lora)
+    length = catalog.length_bound(card.name, requested["hyperparameters"].get("max_seq_len"))
     for f, param in ((train, "training_file"), (valid, "validation_file")):
         if f is not None:
-            report = dataset_report(store, settings, f, images, req.model, length, param)
+            want = "preference" if req.method_type == "dpo" else "chat"
+            if f.stats.get("format", "chat") != want:
+                raise Invalid(
+                    f"{param} {f.id} holds {f.stats.get('format', 'chat')} examples; method {req.method_type} "
+                    + (
+                        "takes preference pairs (input, preferred_output, non_preferred_output)"
+                        if want == "preference"
+                        else "takes chat examples (messages); preference pairs train with method dpo"
+                    ),
+                    param=param,
+                    code=f"invalid_{param}",
+                )
+            report = dataset_report(store, settings, f, images, card.name, length, param)
             raise_if_bad(report, param, f"{param} {f.id}")
 
     job = Job(
         owner=owner,
-        model=req.model,
+        model=card.name,
         training_file=train.id,
         validation_file=valid.id if valid else None,
         images_file=images.id if images else None,

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from kiln.dataset import DatasetError, DatasetSource, Issue, LengthBound, bounded_lines, parse_line
+from kiln.dataset import DatasetError, DatasetSource, Example, Issue, LengthBound, bounded_lines, parse_line
 from kiln.tokenizer import ChatTemplate, Tokenizer, encode_chat
 
 IGNORE = -100
@@ -41,6 +41,7 @@ class Sample:
     input_ids_T: torch.Tensor  # long
     labels_T: torch.Tensor  # long, IGNORE where no loss
     pixels_NCHW: torch.Tensor  # float, one image per placeholder, in order
+    rejected: Sample | None = None  # a preference pair's other answer (this Sample: the preferred)
 
     def __len__(self) -> int:
         return len(self.input_ids_T)
@@ -108,6 +109,7 @@ class Dataset:
         else:
             self.jsonl = Path(path)
         self.offsets, self.lengths, self.lines = array("q"), array("i"), array("i")
+        self.pairs: bool | None = None  # preference pairs (DPO) or chat examples; the longer side's length
         issues: list[Issue] = []
         offset = 0
         with open(self.jsonl, "rb") as f:
@@ -122,8 +124,18 @@ class Dataset:
                 if ex.images and image_tokens is None:
                     issues.append(Issue(n, "images", "the model takes no image input"))
                     continue
+                if self.pairs is not None and self.pairs != (ex.rejected is not None):
+                    kind = (
+                        "a chat example among preference pairs"
+                        if self.pairs
+                        else "a preference pair among chat examples"
+                    )
+                    issues.append(Issue(n, "", kind))
+                    continue
+                self.pairs = ex.rejected is not None
                 try:
-                    ids, _ = encode_chat(tok, tpl, ex, image_tokens or 0)
+                    sides = [ex, ex.other()] if ex.rejected is not None else [ex]
+                    ids = max((encode_chat(tok, tpl, e, image_tokens or 0)[0] for e in sides), key=len)
                 except ValueError as e:
                     issues.append(Issue(n, "images", str(e)))
                     continue
@@ -152,17 +164,24 @@ class Dataset:
         ex, problems = parse_line(n, self._f.readline(MAX_LINE_BYTES + 1), MAX_LINE_BYTES)
         if ex is None:
             raise DatasetError(problems)
-        ids, target = encode_chat(self.tok, self.tpl, ex, self.image_tokens or 0)
         pixels = []
         for k, ref in enumerate(ex.images):
             try:
                 pixels.append(self.cache.get(self.source.read_image(ref)))
             except Exception as e:
                 raise DatasetError([Issue(n, f"images[{k}]", f"unreadable image: {e}")]) from e
+        size = self.cache.size
+        pixels_NCHW = torch.stack(pixels) if pixels else torch.zeros(0, 3, size, size)
+        sample = self._sample(ex, pixels_NCHW)
+        if ex.rejected is not None:
+            sample.rejected = self._sample(ex.other(), pixels_NCHW)
+        return sample
+
+    def _sample(self, ex: Example, pixels_NCHW: torch.Tensor) -> Sample:
+        ids, target = encode_chat(self.tok, self.tpl, ex, self.image_tokens or 0)
         input_ids = torch.tensor(ids, dtype=torch.long)
         labels = torch.where(torch.tensor(target), input_ids, torch.full_like(input_ids, IGNORE))
-        size = self.cache.size
-        return Sample(n, input_ids, labels, torch.stack(pixels) if pixels else torch.zeros(0, 3, size, size))
+        return Sample(ex.line, input_ids, labels, pixels_NCHW)
 
     def close(self) -> None:
         self._f.close()

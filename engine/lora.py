@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import overload
 
@@ -190,6 +192,20 @@ class ExpertsLoRA(nn.Module):
         if self.merged:
             return None
         return {name: (getattr(self, f"{name}_A"), getattr(self, f"{name}_B")) for name in self.names}
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model, for as long as the block runs: every adapter acts as if merged into
+    weights that were never changed (DPO's reference model, with no second copy of the weights)."""
+    off = [m for m in model.modules() if isinstance(m, (LoRALinear, ExpertsLoRA)) and not m.merged]
+    for m in off:
+        m.merged = True
+    try:
+        yield
+    finally:
+        for m in off:
+            del m.merged  # the class's False again
 
 
 @torch.no_grad()

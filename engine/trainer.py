@@ -27,8 +27,8 @@ from engine.training.checkpointer import checkpointer_for
 from engine.training.hyper import lr_lambda, resolve
 from engine.training.objective import objective_for
 from engine.training.ranks import ranks_for
-from engine.training.step import accumulate, evaluate
-from kiln.dataset import LengthBound
+from engine.training.step import accumulate, dpo_accumulate, dpo_evaluate, evaluate
+from kiln.dataset import DatasetError, Issue, LengthBound
 from kiln.spec import JobSpec
 from kiln.tokenizer import chat_template, load_tokenizer
 
@@ -89,6 +89,9 @@ class Trainer:
         if spec.resume_from:
             self.step_no, self.tokens = self.checkpointer.resume(spec.resume_from, model, self.opt, self.sched)
             self.saved = self.step_no
+        elif spec.init_adapter:  # a job continued from another's fine-tune: its adapter, a fresh optimizer
+            self.objective.load(model, self.store.path(spec.init_adapter))
+            reporter.message(f"Started from the adapter in {spec.init_adapter}")
             reporter.message(f"Resumed from the checkpoint at step {self.step_no}", data={"step": self.step_no})
 
     def _data(self, model: torch.nn.Module) -> None:
@@ -107,6 +110,14 @@ class Trainer:
         self.train_set = Dataset(
             spec.training_file, spec.images_file, tok, tpl, image_size, image_tokens, length, self.work, cache
         )
+        if self.train_set.pairs != (spec.method == "dpo"):
+            wrong = (
+                "method dpo takes preference pairs (input, preferred_output, non_preferred_output)"
+                if spec.method == "dpo"
+                else "preference pairs train with method dpo"
+            )
+            raise DatasetError([Issue(0, "", wrong)])
+        self.beta = 0.1 if spec.beta == "auto" else spec.beta  # DPO's; TRL's and OpenAI's default
         self.train_idx, self.valid_idx = split(len(self.train_set), spec.validation_split, spec.seed)
         self.valid_set = self.train_set
         if spec.validation_file:
@@ -114,6 +125,8 @@ class Trainer:
                 spec.validation_file, spec.images_file, tok, tpl, image_size, image_tokens, length, self.work, cache
             )
             self.valid_idx = list(range(len(self.valid_set)))
+            if self.valid_set.pairs != self.train_set.pairs:
+                raise DatasetError([Issue(0, "", "the validation file and the training file hold different kinds")])
         # rows of the job's bound; without one (no position limit, no max_seq_len) of the longest example
         max_len = length.bound or max(max(d.lengths) for d in {self.train_set, self.valid_set})
         self.pack_to = max_len if spec.packing else None
@@ -155,9 +168,14 @@ class Trainer:
                 ),
             )
         samples = [self.train_set[i] for i in self.order[1][index]]
-        loss, n, right, seen, rows = accumulate(
-            self.model, samples, spec.gradient_accumulation_steps, self.tpl.pad_id, self.pack_to, self.ranks
-        )
+        dpo = {}
+        if spec.method == "dpo":
+            dpo = dpo_accumulate(self.model, samples, self.beta, self.tpl.pad_id, self.ranks.device)
+            loss, n, right, seen, rows = torch.tensor(dpo.pop("train_loss")), 0, 0, dpo.pop("tokens"), 0
+        else:
+            loss, n, right, seen, rows = accumulate(
+                self.model, samples, spec.gradient_accumulation_steps, self.tpl.pad_id, self.pack_to, self.ranks
+            )
         grad_norm = self.ranks.clip(self.trainable, 1.0)
         if torch.isfinite(grad_norm):
             self.opt.step()
@@ -179,7 +197,7 @@ class Trainer:
             "total_steps": hp.total_steps,
             "epoch": epoch + 1,
             "train_loss": float(loss),
-            "train_mean_token_accuracy": right / max(n, 1),
+            **(dpo or {"train_mean_token_accuracy": right / max(n, 1)}),
             "learning_rate": self.sched.get_last_lr()[0],
             "grad_norm": float(grad_norm),
             "tokens_per_second": seen / (time.perf_counter() - t0),
@@ -194,6 +212,10 @@ class Trainer:
         return metrics
 
     def evaluate(self) -> dict:
+        if self.spec.method == "dpo":
+            return dpo_evaluate(
+                self.model, self.valid_set, self.valid_idx, self.beta, self.tpl.pad_id, self.ranks.device
+            )
         return evaluate(
             self.model, self.valid_set, self.valid_idx, self.hp.batch_size, self.tpl.pad_id, self.pack_to, self.ranks
         )

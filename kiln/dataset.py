@@ -62,6 +62,12 @@ class Example:
     line: int
     messages: list[Message]
     images: list[str]  # relative paths or data: URLs, in placeholder order
+    rejected: list[Message] | None = None  # a preference pair's other answer (messages: the preferred)
+
+    def other(self) -> Example:
+        """A preference pair's rejected side as an example of its own (same input and images)."""
+        assert self.rejected is not None
+        return Example(self.line, self.rejected, self.images)
 
 
 @dataclass
@@ -77,6 +83,7 @@ class Report:
     histogram: dict[int, int] = field(default_factory=dict)  # examples by token count, upper bounds 2^k
     issues: list[Issue] = field(default_factory=list)
     truncated: bool = False  # more issues than were kept
+    format: str = "chat"  # or "preference": OpenAI's DPO pairs (tokens count both answers)
 
     @property
     def ok(self) -> bool:
@@ -91,6 +98,7 @@ class Report:
 
     def stats(self) -> dict:
         out: dict[str, Any] = {
+            "format": self.format,
             "examples": self.examples,
             "messages": self.messages,
             "images": self.images,
@@ -163,8 +171,71 @@ def _content_parts(content: list, where: str, issues: list[Issue], line: int) ->
     return "".join(text), images
 
 
+def _message(line: int, m: object, where: str, issues: list[Issue]) -> tuple[Message, list[str]] | None:
+    """One message of a line and the images its content parts carry; problems go to ``issues``."""
+    if not isinstance(m, dict):
+        issues.append(Issue(line, where, "must be an object with role and content"))
+        return None
+    role = m.get("role")
+    if role not in ROLES:
+        issues.append(Issue(line, f"{where}.role", f"unknown role {role!r}; expected one of {', '.join(ROLES)}"))
+    content = m.get("content")
+    found: list[str] = []
+    if isinstance(content, list):
+        content, found = _content_parts(content, f"{where}.content", issues, line)
+    elif not isinstance(content, str):
+        issues.append(Issue(line, f"{where}.content", "must be a string or a list of content parts"))
+        content = ""
+    weight = m.get("weight", 1)
+    if weight not in (0, 1) or isinstance(weight, bool):
+        issues.append(Issue(line, f"{where}.weight", "must be 0 or 1"))
+        weight = 1
+    if role == "assistant":
+        if not content.strip():
+            issues.append(Issue(line, f"{where}.content", "empty assistant turn"))
+        if IMAGE_TOKEN in content:
+            issues.append(Issue(line, f"{where}.content", f"{IMAGE_TOKEN} belongs in user or system messages"))
+    return Message(str(role), content, int(weight)), found
+
+
+def _messages(line: int, msgs: object, where: str, issues: list[Issue]) -> tuple[list[Message], list[str]] | None:
+    if not isinstance(msgs, list) or not msgs:
+        issues.append(Issue(line, where, "must be a non-empty list of messages"))
+        return None
+    out, images = [], []
+    for i, m in enumerate(msgs):
+        got = _message(line, m, f"{where}[{i}]", issues)
+        if got is not None:
+            out.append(got[0])
+            images += got[1]
+    return out, images
+
+
+def _images(line: int, obj: dict, part_images: list[str], placeholders: int, issues: list[Issue]) -> list[str]:
+    images = obj.get("images", [])
+    if not isinstance(images, list):
+        issues.append(Issue(line, "images", "must be a list of image paths"))
+        images = []
+    if part_images and images:
+        issues.append(Issue(line, "images", "give images either as the images list or as image_url parts, not both"))
+    images = images or part_images
+    if placeholders != len(images):
+        issues.append(Issue(line, "images", f"{placeholders} {IMAGE_TOKEN} placeholder(s) but {len(images)} image(s)"))
+    for k, ref in enumerate(images):
+        problem = image_ref_problem(ref)
+        if problem:
+            issues.append(Issue(line, f"images[{k}]", problem))
+    return [str(r) for r in images]
+
+
+PREFERENCE_FIELDS = ("input", "preferred_output", "non_preferred_output")
+
+
 def parse_line(line: int, raw: bytes | str, max_line_bytes: int = 8 << 20) -> tuple[Example | None, list[Issue]]:
-    """Parse one JSONL line into an Example, or return the issues that stop it."""
+    """Parse one JSONL line into an Example, or return the issues that stop it. A line with
+    OpenAI's preference fields (``input.messages``, ``preferred_output``,
+    ``non_preferred_output``) is a preference pair: ``messages`` the input then the preferred
+    answer, ``rejected`` the input then the other (the input's assistant turns are context)."""
     if len(raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw) > max_line_bytes:
         return None, [Issue(line, "", f"line is over the limit of {max_line_bytes} bytes")]
     try:
@@ -173,56 +244,44 @@ def parse_line(line: int, raw: bytes | str, max_line_bytes: int = 8 << 20) -> tu
         return None, [Issue(line, "", f"invalid JSON: {e}")]
     if not isinstance(obj, dict):
         return None, [Issue(line, "", "each line must be a JSON object")]
+    if any(k in obj for k in PREFERENCE_FIELDS):
+        return _preference(line, obj)
     issues: list[Issue] = []
-    msgs = obj.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        return None, [Issue(line, "messages", "must be a non-empty list of messages")]
-    images = obj.get("images", [])
-    if not isinstance(images, list):
-        issues.append(Issue(line, "images", "must be a list of image paths"))
-        images = []
-    part_images: list[str] = []
-    messages: list[Message] = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            issues.append(Issue(line, where, "must be an object with role and content"))
-            continue
-        role = m.get("role")
-        if role not in ROLES:
-            issues.append(Issue(line, f"{where}.role", f"unknown role {role!r}; expected one of {', '.join(ROLES)}"))
-        content = m.get("content")
-        if isinstance(content, list):
-            content, found = _content_parts(content, f"{where}.content", issues, line)
-            part_images += found
-        elif not isinstance(content, str):
-            issues.append(Issue(line, f"{where}.content", "must be a string or a list of content parts"))
-            content = ""
-        weight = m.get("weight", 1)
-        if weight not in (0, 1) or isinstance(weight, bool):
-            issues.append(Issue(line, f"{where}.weight", "must be 0 or 1"))
-            weight = 1
-        if role == "assistant":
-            if not content.strip():
-                issues.append(Issue(line, f"{where}.content", "empty assistant turn"))
-            if IMAGE_TOKEN in content:
-                issues.append(Issue(line, f"{where}.content", f"{IMAGE_TOKEN} belongs in user or system messages"))
-        messages.append(Message(str(role), content, int(weight)))
-    if part_images and images:
-        issues.append(Issue(line, "images", "give images either as the images list or as image_url parts, not both"))
-    images = images or part_images
-    placeholders = sum(m.content.count(IMAGE_TOKEN) for m in messages)
-    if placeholders != len(images):
-        issues.append(Issue(line, "images", f"{placeholders} {IMAGE_TOKEN} placeholder(s) but {len(images)} image(s)"))
-    for k, ref in enumerate(images):
-        problem = image_ref_problem(ref)
-        if problem:
-            issues.append(Issue(line, f"images[{k}]", problem))
+    parsed = _messages(line, obj.get("messages"), "messages", issues)
+    if parsed is None:
+        return None, issues
+    messages, part_images = parsed
+    images = _images(line, obj, part_images, sum(m.content.count(IMAGE_TOKEN) for m in messages), issues)
     if not any(m.role == "assistant" and m.weight for m in messages):
         issues.append(Issue(line, "messages", "no assistant message to learn from"))
     if issues:
         return None, issues
-    return Example(line, messages, [str(r) for r in images]), []
+    return Example(line, messages, images), []
+
+
+def _preference(line: int, obj: dict) -> tuple[Example | None, list[Issue]]:
+    issues: list[Issue] = []
+    inp = obj.get("input")
+    if not isinstance(inp, dict):
+        return None, [Issue(line, "input", "must be an object with messages")]
+    context = _messages(line, inp.get("messages"), "input.messages", issues)
+    outputs = []
+    for name in PREFERENCE_FIELDS[1:]:
+        got = _messages(line, obj.get(name), name, issues)
+        if got is not None:
+            for i, m in enumerate(got[0]):
+                if m.role != "assistant":
+                    issues.append(Issue(line, f"{name}[{i}].role", "must be 'assistant'"))
+            if got[1]:
+                issues.append(Issue(line, name, "images belong in input.messages"))
+            outputs.append(got[0])
+    if context is None or len(outputs) < 2:
+        return None, issues
+    head = [Message(m.role, m.content, 0) for m in context[0]]  # the input is context, never a target
+    images = _images(line, obj, context[1], sum(m.content.count(IMAGE_TOKEN) for m in head), issues)
+    if issues:
+        return None, issues
+    return Example(line, head + outputs[0], images, rejected=head + outputs[1]), []
 
 
 def bounded_lines(f: IO[bytes], limit: int) -> Iterator[bytes]:
@@ -294,6 +353,7 @@ def validate(
     or unreadable; ``tokenize(example)`` gives (tokens, target tokens), which adds token counts to
     the report and, with ``length``, an issue for every example that is too long."""
     report = Report()
+    pairs: bool | None = None  # preference pairs or chat examples: one kind per dataset
 
     def add(issue: Issue) -> None:
         if len(report.issues) < max_issues:
@@ -312,16 +372,26 @@ def validate(
                 problem = check_image(ref)
                 if problem:
                     add(Issue(n, f"images[{k}]", problem))
+        if pairs is not None and pairs != (ex.rejected is not None):
+            add(
+                Issue(
+                    n, "", "a preference pair among chat examples" if pairs else "a chat example among preference pairs"
+                )
+            )
+            continue
+        pairs = ex.rejected is not None
         if tokenize is not None:
             try:
-                tokens, targets = tokenize(ex)
+                sides = [tokenize(ex), *([tokenize(ex.other())] if ex.rejected is not None else [])]
             except ValueError as e:
                 add(Issue(n, "images", str(e)))
                 continue
+            tokens = max(t for t, _ in sides)
             problem = length.problem(tokens) if length is not None else None
             if problem:
                 add(Issue(n, "messages", problem))
-            report.count(tokens, targets)
+            for t, targets in sides:
+                report.count(t, targets)
         chars = sum(len(m.content) for m in ex.messages)
         report.examples += 1
         report.messages += len(ex.messages)
@@ -330,6 +400,7 @@ def validate(
         report.max_characters = max(report.max_characters, chars)
     if report.examples == 0 and not report.issues:
         add(Issue(0, "", "the dataset holds no examples"))
+    report.format = "preference" if pairs else "chat"
     return report
 
 

@@ -167,6 +167,9 @@ class Hyperparameters(_Spec):
     validation_split: Annotated[float, Strict(), Field(ge=0, le=0.5)] = Field(
         0.0, description="fraction of the training file held out for validation when no validation_file is given"
     )
+    beta: Auto | Annotated[float, Strict(), Field(gt=0, le=10)] = Field(
+        "auto", description="DPO only: how far the policy may move from the base model (auto: 0.1)"
+    )
     memory: MemorySpec = Field(default_factory=MemorySpec, description="activation recompute and caching (Swap Core)")
     parallel: ParallelSpec = Field(default_factory=ParallelSpec, description="processes (GPUs) and their split")
 
@@ -175,9 +178,17 @@ class Supervised(_Spec):
     hyperparameters: Hyperparameters | None = None
 
 
+class Dpo(_Spec):
+    hyperparameters: Hyperparameters | None = None
+
+
 class Method(_Spec):
-    type: Literal["supervised"]
+    """OpenAI's ``method``: supervised (chat examples) or dpo (preference pairs: ``input``,
+    ``preferred_output``, ``non_preferred_output``), each with its hyperparameters."""
+
+    type: Literal["supervised", "dpo"]
     supervised: Supervised | None = None
+    dpo: Dpo | None = None
 
 
 def _metadata(d: dict[str, str] | None) -> dict[str, str] | None:
@@ -200,7 +211,11 @@ class JobRequest(_Spec):
     both may be given when they agree."""
 
     model: str = Field(
-        min_length=1, max_length=200, json_schema_extra={"enum": list(CARDS)}, description="the base model"
+        min_length=1,
+        max_length=300,
+        json_schema_extra={"anyOf": [{"enum": list(CARDS)}, {"pattern": "^(ft:|ftckpt_)"}]},
+        description="a base model, or one of your fine-tunes to continue: ft:... (its adapter, a fresh "
+        "optimizer), a checkpoint's ft:...:ckpt-step-N or ftckpt_... id (the whole training state)",
     )
     training_file: str = Field(min_length=1, max_length=64)
     validation_file: str | None = Field(None, max_length=64)
@@ -219,16 +234,27 @@ class JobRequest(_Spec):
         """The hyperparameters as asked for (set fields only), from either place; a field given
         in both with different values is a ``SpecError`` naming both."""
         top = self.hyperparameters.model_dump(exclude_unset=True) if self.hyperparameters else {}
-        sup = self.method.supervised if self.method else None
-        nested = sup.hyperparameters.model_dump(exclude_unset=True) if sup and sup.hyperparameters else {}
+        kind = self.method_type
+        for other in ("supervised", "dpo"):
+            if other != kind and self.method and getattr(self.method, other) is not None:
+                raise SpecError(f"method.{other} is given but method.type is {kind!r}", f"method.{other}")
+        part = getattr(self.method, kind) if self.method else None
+        nested = part.hyperparameters.model_dump(exclude_unset=True) if part and part.hyperparameters else {}
         for key in sorted(set(top) & set(nested)):
             if top[key] != nested[key]:
                 raise SpecError(
                     f"hyperparameters.{key} ({json.dumps(top[key])}) and "
-                    f"method.supervised.hyperparameters.{key} ({json.dumps(nested[key])}) differ; give it once",
+                    f"method.{kind}.hyperparameters.{key} ({json.dumps(nested[key])}) differ; give it once",
                     f"hyperparameters.{key}",
                 )
-        return {**top, **nested}
+        merged = {**top, **nested}
+        if "beta" in merged and kind != "dpo":
+            raise SpecError("hyperparameters.beta is DPO's; set method.type to 'dpo'", "hyperparameters.beta")
+        return merged
+
+    @property
+    def method_type(self) -> Literal["supervised", "dpo"]:
+        return self.method.type if self.method else "supervised"
 
 
 class Resolved(_Spec):
@@ -287,6 +313,8 @@ class JobSpec(Hyperparameters):
     images_file: str | None = None  # local path of a zip of images
     seed: int = 0
     training: Literal["lora", "full"] = "lora"  # full: every parameter (pretraining, the convergence bench)
+    method: Literal["supervised", "dpo"] = "supervised"  # dpo: preference pairs against the base model
+    init_adapter: str | None = None  # store key of a checkpoint whose adapter weights start the run
     moe_bias_rate: float = 1e-3  # full training: aux-loss-free router balancing step (K3: ~1e-3)
     lora: LoraSpec = Field(default_factory=LoraSpec)
     resume_from: str | None = None  # store key of a checkpoint folder
@@ -305,6 +333,8 @@ class JobSpec(Hyperparameters):
     @model_validator(mode="after")
     def _model_targets(self) -> JobSpec:
         self.parallel.check()
+        if self.method == "dpo" and (self.parallel.nproc > 1 or self.training != "lora"):
+            raise SpecError("method dpo runs LoRA in one process (parallel.nproc 1) for now", "method")
         if self.model in CARDS:
             self.lora = _with_defaults(self.lora, CARDS[self.model])
         return self

@@ -49,6 +49,7 @@ def build_spec(job: Job) -> JobSpec:
         hp = dict(job.hyperparameters)
         if job.validation_file:
             hp["validation_split"] = 0.0
+        start = job.requested.get("from", {})  # a job continued from an earlier fine-tune
         return JobSpec.model_validate(
             {
                 **hp,
@@ -59,7 +60,9 @@ def build_spec(job: Job) -> JobSpec:
                 "images_file": path(job.images_file),
                 "seed": job.seed,
                 "lora": job.lora,
-                "resume_from": last.store_key if last else None,
+                "method": job.requested.get("method", "supervised"),
+                "resume_from": last.store_key if last else start.get("checkpoint"),
+                "init_adapter": start.get("adapter"),
             }
         )
 

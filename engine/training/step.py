@@ -1,11 +1,14 @@
 """A step's arithmetic: the loss of a batch, the forward and backward of a step's examples over
-its micro-batches (weighted so that the summed gradients equal the whole batch's), evaluation."""
+its micro-batches (weighted so that the summed gradients equal the whole batch's), evaluation;
+and the same for preference pairs (DPO: the reference is the base model, the adapters off)."""
 
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
-from engine.data import IGNORE, Dataset
+from engine.data import IGNORE, Dataset, collate
+from engine.lora import adapters_off
 
 
 def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=None) -> tuple[torch.Tensor, int, int]:
@@ -68,3 +71,69 @@ def evaluate(
     total, n, right = ranks.sum(total, n, right)
     model.train(was)
     return {"valid_loss": total / max(n, 1), "valid_mean_token_accuracy": right / max(n, 1)}
+
+
+def sequence_logp(model: torch.nn.Module, sample, pad: int, device: torch.device) -> torch.Tensor:
+    """The log-probability of ``sample``'s target tokens (its answer) under the model: the sum,
+    through the same fused loss as training (the mean times the count)."""
+    loss, n, _ = batch_loss(model, collate([sample], pad), device)
+    return -loss * n
+
+
+def dpo_terms(
+    model: torch.nn.Module, pair, pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(policy chosen, policy rejected, reference chosen, reference rejected) log-probabilities of
+    one preference pair; the reference is the base model (the adapters off), without gradients."""
+    assert pair.rejected is not None, "DPO takes preference pairs"
+    with torch.no_grad(), adapters_off(model):
+        ref = [sequence_logp(model, s, pad, device) for s in (pair, pair.rejected)]
+    return sequence_logp(model, pair, pad, device), sequence_logp(model, pair.rejected, pad, device), ref[0], ref[1]
+
+
+def dpo_loss(
+    pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DPO (Rafailov et al. 2023): -log sigmoid(beta ((pc - rc) - (pr - rr))), and the implicit
+    rewards beta (pc - rc) of the preferred and beta (pr - rr) of the rejected answer."""
+    chosen, rejected = beta * (pc - rc), beta * (pr - rr)
+    return -F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach()
+
+
+def dpo_accumulate(model: torch.nn.Module, pairs: list, beta: float, pad: int, device: torch.device) -> dict:
+    """Forward and backward one step's preference pairs, one pair at a time (each weighted 1 / the
+    pairs: the gradients sum to the batch mean's); the step's DPO metrics."""
+    loss_sum = chosen_sum = rejected_sum = 0.0
+    right = seen = 0
+    for pair in pairs:
+        loss, chosen, rejected = dpo_loss(*dpo_terms(model, pair, pad, device), beta)
+        (loss / len(pairs)).backward()
+        loss_sum, chosen_sum, rejected_sum = (
+            loss_sum + float(loss),
+            chosen_sum + float(chosen),
+            rejected_sum + float(rejected),
+        )
+        right += int(chosen > rejected)
+        seen += len(pair) + len(pair.rejected)
+    k = max(len(pairs), 1)
+    return {
+        "train_loss": loss_sum / k,
+        "rewards_chosen": chosen_sum / k,
+        "rewards_rejected": rejected_sum / k,
+        "reward_margin": (chosen_sum - rejected_sum) / k,
+        "reward_accuracy": right / k,
+        "tokens": seen,
+    }
+
+
+@torch.no_grad()
+def dpo_evaluate(model: torch.nn.Module, data: Dataset, indices: list[int], beta: float, pad: int, device) -> dict:
+    was = model.training
+    model.eval()
+    losses, right = [], 0
+    for i in indices:
+        loss, chosen, rejected = dpo_loss(*dpo_terms(model, data[i], pad, device), beta)
+        losses.append(float(loss))
+        right += int(chosen > rejected)
+    model.train(was)
+    return {"valid_loss": sum(losses) / max(len(losses), 1), "valid_reward_accuracy": right / max(len(losses), 1)}
