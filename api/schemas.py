@@ -44,7 +44,7 @@ def job_public(j: Job) -> dict[str, Any]:
         "training_file": j.training_file,
         "validation_file": j.validation_file,
         "estimated_finish": None,
-        "integrations": [],
+        "integrations": j.requested.get("integrations", []),
         "metadata": j.meta,
         "suffix": j.suffix,
         "method": {"type": method, method: {"hyperparameters": {**hp, **extras}}},

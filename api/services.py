@@ -241,7 +241,14 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
         "hyperparameters": req.requested_hyperparameters(),
         "lora": req.lora.model_dump(exclude_unset=True) if req.lora else {},
         "method": req.method_type,
+        "integrations": [i.model_dump() for i in req.integrations or []],
     }
+    if any(i["type"] == "mlflow" for i in requested["integrations"]) and not settings.mlflow_tracking_uri:
+        raise Invalid(
+            "integrations: this server has no MLflow tracking server configured (KILN_MLFLOW_TRACKING_URI)",
+            param="integrations",
+            code="integration_unavailable",
+        )
     lora = requested["lora"]
     if parent is not None:  # the adapter goes on training: the earlier job's, as it was
         changed = sorted(k for k, v in lora.items() if parent["lora"].get(k) != v)

@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     reaper_seconds: float = 10.0  # how often a worker looks for jobs to re-queue
     requeue_queued_after_seconds: float = 120.0  # a queued job nobody took is sent again
 
+    # experiment tracking (a job's integrations): the operator's, never a request's
+    mlflow_tracking_uri: str = ""  # e.g. http://mlflow:5000; empty: jobs cannot ask for mlflow
+    wandb_mode: str = "online"  # wandb's mode: online (WANDB_API_KEY), offline (runs written under home/wandb)
+
     sse_poll_seconds: float = 0.5
     sse_keepalive_seconds: float = 15.0
 

@@ -191,6 +191,38 @@ class Method(_Spec):
     dpo: Dpo | None = None
 
 
+Name = Annotated[str, Strict(), Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/ -]+$")]
+
+
+class WandbSettings(_Spec):
+    project: Name
+    name: Name | None = None
+    entity: Name | None = None
+    tags: list[Name] = Field([], max_length=32)
+
+
+class Wandb(_Spec):
+    """OpenAI's Weights & Biases integration: a run per job in ``project`` (the worker's wandb
+    login and mode are the operator's: WANDB_API_KEY, KILN_WANDB_MODE)."""
+
+    type: Literal["wandb"]
+    wandb: WandbSettings
+
+
+class MlflowSettings(_Spec):
+    experiment: Name = "kiln"
+    run_name: Name | None = None
+    tags: dict[Name, Annotated[Text, Field(max_length=500)]] = Field({}, max_length=32)
+
+
+class Mlflow(_Spec):
+    """An MLflow run per job: parameters, each step's metrics, the adapter as an artifact, on the
+    server the operator configured (KILN_MLFLOW_TRACKING_URI; never a URI from the request)."""
+
+    type: Literal["mlflow"]
+    mlflow: MlflowSettings
+
+
 def _metadata(d: dict[str, str] | None) -> dict[str, str] | None:
     """OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512."""
     if d is None:
@@ -228,7 +260,16 @@ class JobRequest(_Spec):
     metadata: Annotated[dict[Text, Text] | None, AfterValidator(_metadata)] = Field(
         None, description="up to 16 pairs; keys up to 64 characters, values up to 512"
     )
-    integrations: list[Any] | None = Field(None, max_length=0, description="not supported: leave out or empty")
+    integrations: list[Annotated[Wandb | Mlflow, Field(discriminator="type")]] | None = Field(
+        None, max_length=2, description="experiment tracking: wandb and/or mlflow (the server's tracking URI)"
+    )
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> JobRequest:
+        kinds = [i.type for i in self.integrations or []]
+        if len(kinds) != len(set(kinds)):
+            raise ValueError("integrations: at most one of each type")
+        return self
 
     def requested_hyperparameters(self) -> dict[str, Any]:
         """The hyperparameters as asked for (set fields only), from either place; a field given

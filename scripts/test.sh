@@ -21,7 +21,7 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1; then
     --dir /var/lib/redis --logfile /var/log/redis/ci.log
 fi
 for _ in $(seq 30); do pg_isready -q -h 127.0.0.1 && redis-cli -h 127.0.0.1 ping >/dev/null 2>&1 && break; sleep 1; done
-source scripts/setup_env.sh server,engine,dev
+source scripts/setup_env.sh server,engine,dev,tracking
 # fla-core's naive KDA is a parity oracle; --no-deps keeps triton off the CPU machine (with
 # triton present, transformers routes KDA through Triton kernels and fails without a GPU).
 .venv/bin/python -m pip install -q --no-deps fla-core==0.6.0

@@ -11,6 +11,7 @@ import logging
 import secrets
 import threading
 import time
+from pathlib import Path
 
 from sqlalchemy import select
 
@@ -23,6 +24,7 @@ from api.settings import get_settings
 from kiln.dataset import DatasetError
 from kiln.spec import JobSpec
 from workers.reporting import DBReporter
+from workers.tracking import Tracked
 
 log = logging.getLogger("kiln.worker")
 
@@ -106,10 +108,20 @@ def run_job(job_id: str) -> str:
     def measured() -> dict:
         return {"worker_kind": worker_kind(), "run_seconds": (job.run_seconds or 0.0) + time.monotonic() - t0}
 
+    tracked: Tracked | None = None
+
+    def track(status: str, adapter: Path | None = None) -> None:
+        if tracked is not None:
+            tracked.finish(status, adapter)
+
     try:
         spec = build_spec(job)
-        result = engine.train(spec, get_store(), reporter)
+        if job.requested.get("integrations"):
+            params = {"model": job.model, **job.hyperparameters, **{f"lora.{k}": v for k, v in job.lora.items()}}
+            tracked = Tracked(reporter, job.requested["integrations"], job.id, get_settings(), params)
+        result = engine.train(spec, get_store(), tracked or reporter)
     except DatasetError as e:
+        track("failed")
         reporter.finish(
             "failed",
             f"Dataset error: {e}",
@@ -119,6 +131,7 @@ def run_job(job_id: str) -> str:
         return "failed"
     except Exception as e:
         log.exception("job %s failed", job_id)
+        track("failed")
         reporter.finish(
             "failed",
             f"Training failed: {type(e).__name__}: {e}",
@@ -130,6 +143,7 @@ def run_job(job_id: str) -> str:
         beat.done.set()
     if result.status == "succeeded":
         suffix = job.suffix or ""
+        track("succeeded", get_store().path(result.adapter_key) if result.adapter_key else None)
         reporter.finish(
             "succeeded",
             "The job has successfully completed",
@@ -140,10 +154,12 @@ def run_job(job_id: str) -> str:
         )
         return "succeeded"
     if result.stop_reason == "cancel":
+        track("cancelled")
         reporter.finish("cancelled", "Job cancelled", trained_tokens=result.trained_tokens)
         return "cancelled"
     if result.stop_reason == "pause":
         step = result.final_metrics.get("step", 0)
+        track("paused")
         reporter.finish("paused", f"Job paused at step {step}; resume continues from there", **measured())
         return "paused"
     log.warning("job %s: lease lost, another worker owns it now", job_id)

@@ -201,6 +201,19 @@ def text_file(pg_stack):
         ({"metadata": {"k": "v" * 513}}, 400, ["metadata", "513 characters; at most 512"], "metadata"),
         ({"lora": {"rnak": 4}}, 400, ["lora.rnak: unknown field; did you mean 'rank'?"], "lora.rnak"),
         ({"hyperparameters": {"batch_size": "x"}}, 400, ["hyperparameters.batch_size: Input should be 'auto'"], None),
+        (  # the tracking server is the operator's: this stack has none
+            {"integrations": [{"type": "mlflow", "mlflow": {}}]},
+            400,
+            ["no MLflow tracking server configured"],
+            "integrations",
+        ),
+        ({"integrations": [{"type": "comet", "comet": {}}]}, 400, ["integrations[0]"], None),
+        (
+            {"integrations": [{"type": "wandb", "wandb": {}}]},
+            400,
+            ["integrations[0].wandb.project: Field required"],
+            None,
+        ),
     ],
 )
 def test_bad_job_requests(pg_stack, text_file, patch, status, needles, param):
