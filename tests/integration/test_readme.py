@@ -84,6 +84,13 @@ def indented_blocks(text: str) -> list[int]:
 BLOCKS = fenced_blocks(README.read_text())
 
 
+@pytest.fixture(scope="module")
+def pg_stack(make_pg_stack):
+    """The stack the python blocks run against; its workers write wandb runs offline, as the
+    tracking example says."""
+    return make_pg_stack(max_upload_bytes=2_000_000, wandb_mode="offline")
+
+
 def test_readme_has_its_blocks_and_no_indented_code():
     assert indented_blocks(README.read_text()) == [], "fence these blocks (```sh), so this test runs them"
     assert {"python", "json", "sh"} <= {b.lang for b in BLOCKS}, "the extraction lost a kind of block"
