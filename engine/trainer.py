@@ -89,10 +89,10 @@ class Trainer:
         if spec.resume_from:
             self.step_no, self.tokens = self.checkpointer.resume(spec.resume_from, model, self.opt, self.sched)
             self.saved = self.step_no
+            reporter.message(f"Resumed from the checkpoint at step {self.step_no}", data={"step": self.step_no})
         elif spec.init_adapter:  # a job continued from another's fine-tune: its adapter, a fresh optimizer
             self.objective.load(model, self.store.path(spec.init_adapter))
             reporter.message(f"Started from the adapter in {spec.init_adapter}")
-            reporter.message(f"Resumed from the checkpoint at step {self.step_no}", data={"step": self.step_no})
 
     def _data(self, model: torch.nn.Module) -> None:
         """The tokenizer, the training and validation sets under the job's length bound (the

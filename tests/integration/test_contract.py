@@ -86,7 +86,12 @@ def test_a_job_keeps_its_request_and_its_resolved_settings_apart(stack, dataset)
             "/v1/fine_tuning/jobs",
             json={"model": "kiln-tiny", **dataset, "hyperparameters": {"max_steps": 1}, "lora": {"rank": 4}},
         ).json()
-        assert job["requested"] == {"hyperparameters": {"max_steps": 1}, "lora": {"rank": 4}}
+        assert job["requested"] == {
+            "hyperparameters": {"max_steps": 1},
+            "lora": {"rank": 4},
+            "method": "supervised",
+            "integrations": [],
+        }
         extras = job["method"]["supervised"]["hyperparameters"]
         assert extras["max_steps"] == 1 and extras["warmup_ratio"] == 0.05 and extras["max_seq_len"] == 2048
         assert job["lora"]["rank"] == 4 and "q_proj" in job["lora"]["target_modules"]
@@ -239,6 +244,8 @@ def test_the_sdk_takes_the_typed_contract(stack, dataset):
         assert job.requested == {
             "hyperparameters": {"max_steps": 2, "batch_size": 4},
             "lora": {"rank": 2, "target_modules": ["q_proj", "v_proj"]},
+            "method": "supervised",
+            "integrations": [],
         }
         assert client.jobs.wait(job.id).status == "succeeded"
         request = JobRequest(

@@ -98,6 +98,7 @@ def test_a_job_continued_from_a_checkpoint_takes_the_next_steps_exactly(stack, f
             assert done["status"] == "succeeded", done["error"]
             later = metrics(c, job["id"])
             assert sorted(later) == [5, 6, 7, 8]
+            assert "Resumed from the checkpoint at step 4" in [e["message"] for e in all_events(c, job["id"])]
             assert {s: m["train_loss"] for s, m in later.items()} == {
                 s: m["train_loss"] for s, m in metrics(c, first["id"]).items() if s > 4
             }
