@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from api import errors, openapi
 from api.errors import responses
-from api.routes import adapters, events, files, jobs, keys, models
+from api.routes import adapters, events, files, jobs, keys, models, webhooks
 
 
 def _end_streams_on_exit() -> None:
@@ -50,7 +50,8 @@ def create_app() -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
-    for r in (files.router, jobs.router, events.router, adapters.router, models.router, keys.router):
+    routers = (files.router, jobs.router, events.router, adapters.router, models.router, keys.router, webhooks.router)
+    for r in routers:
         app.include_router(r, responses=responses(401, 429))
     openapi.install(app)
 

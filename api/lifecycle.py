@@ -9,6 +9,9 @@
     pausing -> running (resume before the worker stopped)
     queued | paused -> cancelled; running | pausing -> cancel_requested, then cancelled
 
+Reaching succeeded, failed, cancelled or paused writes the owner's webhook deliveries in the same
+transaction (``webhooks.emit``); they are sent once it commits.
+
 A worker owns a running job through its lease (``lease_token``, ``lease_expires``); every write it
 makes goes through ``fence``, which locks the job's row while the token still holds, so a worker
 that lost the job (its lease expired and another took it) writes nothing into it.
@@ -21,6 +24,7 @@ import time
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.orm import Session
 
+from api import webhooks
 from api.errors import Conflict
 from api.models import TERMINAL_STATES, Job, JobEvent, now
 
@@ -65,6 +69,7 @@ def pause(s: Session, job: Job) -> None:
         return
     if _moved(s, job.id, Job.status == "queued", status="paused"):
         _event(s, job.id, "Job paused; it keeps its place in line until resumed")
+        webhooks.emit(s, job.id, "paused")
     elif _moved(s, job.id, Job.status == "running", status="pausing"):
         _event(s, job.id, "Pause requested; the job saves a checkpoint and stops at the next step")
     else:
@@ -91,6 +96,7 @@ def cancel(s: Session, job: Job) -> None:
         raise Conflict(f"Job {job.id} has already {job.status}", code="job_finished")
     if _moved(s, job.id, Job.status.in_(WAITING), status="cancelled", finished_at=now(), cancel_requested=True):
         _event(s, job.id, "Job cancelled before it ran" if job.status != "paused" else "Paused job cancelled")
+        webhooks.emit(s, job.id, "cancelled")
     elif _moved(s, job.id, and_(Job.status.in_(HELD), Job.cancel_requested.is_(False)), cancel_requested=True):
         _event(s, job.id, "Cancellation requested; the job stops at the next step")
 
@@ -117,6 +123,7 @@ def claim(s: Session, job_id: str, token: str, lease_seconds: float) -> Job | No
     if job.cancel_requested:
         job.status, job.finished_at, job.lease_token = "cancelled", now(), None
         _event(s, job_id, "Job cancelled")
+        webhooks.emit(s, job_id, "cancelled")
         return None
     if job.status == "queued" and job.started_at is None:
         _event(s, job_id, "Fine-tuning job started")
@@ -159,6 +166,7 @@ def finish(s: Session, job_id: str, token: str, status: str, message: str, level
     ):
         return False
     _event(s, job_id, message, level=level)
+    webhooks.emit(s, job_id, status)
     return True
 
 
@@ -187,6 +195,7 @@ def requeue(s: Session, job_id: str, t: float, lease_seconds: float, queued_afte
     where = stale(t, lease_seconds, queued_after)
     if _moved(s, job_id, and_(where, Job.status == "pausing"), status="paused", lease_token=None, enqueued_at=None):
         _event(s, job_id, "The worker stopped while pausing; the job is paused at its last checkpoint", level="warn")
+        webhooks.emit(s, job_id, "paused")
         return False
     status = s.scalar(select(Job.status).where(Job.id == job_id))
     if not _moved(s, job_id, where, enqueued_at=t):

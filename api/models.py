@@ -135,3 +135,44 @@ class IdempotencyRecord(Base):
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[int] = mapped_column(Integer, default=now)
     expires_at: Mapped[int] = mapped_column(Integer, default=lambda: now() + 24 * 3600, index=True)
+
+
+class WebhookEndpoint(Base):
+    """Where an owner's job events go (api/webhooks.py). ``secret`` is the Standard Webhooks signing
+    secret, ``whsec_`` and the base64 of its 32 random bytes; shown once, when it is made."""
+
+    __tablename__ = "webhook_endpoints"
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("we_"))
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    url: Mapped[str] = mapped_column(String(2000))
+    events: Mapped[list[str]] = mapped_column(JSON)  # the event types it takes
+    secret: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[int] = mapped_column(Integer, default=now)
+
+
+class WebhookDelivery(Base):
+    """One event for one endpoint, written in the transaction that changed the job's status, and
+    its delivery log. ``id`` is the ``webhook-id`` header, the same on every attempt; ``payload`` is
+    the exact body. A sender holds it through its lease while an attempt runs; ``sent_at`` is when
+    its message last went to the broker (the reaper re-sends a due delivery nobody took)."""
+
+    __tablename__ = "webhook_deliveries"
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    id: Mapped[str] = mapped_column(String(40), unique=True, default=lambda: new_id("msg_"))
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    event_id: Mapped[str] = mapped_column(String(40))
+    event_type: Mapped[str] = mapped_column(String(100))
+    payload: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(20), default="pending", index=True)  # pending | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float)
+    sent_at: Mapped[float] = mapped_column(Float)
+    lease_token: Mapped[str | None] = mapped_column(String(40), nullable=True)
+    lease_expires: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_status_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    last_attempt_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    delivered_at: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    created_at: Mapped[int] = mapped_column(Integer, default=now)

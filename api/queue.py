@@ -16,6 +16,7 @@ from celery import Celery
 from api.settings import Settings, get_settings
 
 RUN_TASK = "kiln.run_finetune"
+WEBHOOK_TASK = "kiln.deliver_webhook"  # on its own queue (Settings.resolved_webhook_queue): see api/webhooks.py
 log = logging.getLogger("kiln.queue")
 
 
@@ -53,4 +54,18 @@ def enqueue(job_id: str) -> bool:
         return True
     except Exception:
         log.exception("could not enqueue %s", job_id)
+        return False
+
+
+def send_delivery(delivery_id: str, countdown: float | None = None) -> bool:
+    """Send a webhook delivery's id to the webhook queue, to run now or after ``countdown`` seconds
+    (a retry). False if the broker could not be reached: the reaper re-sends due deliveries that no
+    sender took."""
+    try:
+        client().send_task(
+            WEBHOOK_TASK, args=[delivery_id], queue=get_settings().resolved_webhook_queue(), countdown=countdown
+        )
+        return True
+    except Exception:
+        log.exception("could not send webhook delivery %s", delivery_id)
         return False

@@ -37,6 +37,15 @@ class Settings(BaseSettings):
     reaper_seconds: float = 10.0  # how often a worker looks for jobs to re-queue
     requeue_queued_after_seconds: float = 120.0  # a queued job nobody took is sent again
 
+    # Webhooks (api/webhooks.py): sent on their own queue, which a worker of their own consumes
+    # (`celery -A workers.celery_app worker --pool=threads -Q <webhook queue>`), never a training one.
+    webhook_queue: str = ""  # default: "<queue>-webhooks"
+    webhook_timeout_seconds: float = 15.0  # an attempt's connect and read limits (Standard Webhooks: 15-30 s)
+    webhook_max_attempts: int = 18  # with the backoff below: retries for about 35 hours
+    webhook_backoff_seconds: float = 5.0  # the first retry's delay, doubled after each failure ...
+    webhook_backoff_max_seconds: float = 6 * 3600.0  # ... up to this (kept under the broker's visibility timeout)
+    webhook_resend_after_seconds: float = 60.0  # the reaper re-sends a due delivery no sender took this long
+
     # experiment tracking (a job's integrations): the operator's, never a request's
     mlflow_tracking_uri: str = ""  # e.g. http://mlflow:5000; empty: jobs cannot ask for mlflow
     wandb_mode: str = "online"  # wandb's mode: online (WANDB_API_KEY), offline (runs written under home/wandb)
@@ -51,6 +60,9 @@ class Settings(BaseSettings):
 
     def resolved_broker_url(self) -> str:
         return self.broker_url or f"sqla+sqlite:///{(self.home / 'broker.sqlite').resolve()}"
+
+    def resolved_webhook_queue(self) -> str:
+        return self.webhook_queue or f"{self.queue}-webhooks"
 
     def resolved_store_dir(self) -> Path:
         return (self.store_dir or self.home / "store").resolve()

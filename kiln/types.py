@@ -120,6 +120,55 @@ class ApiKeyInfo(_Obj):
     secret: str | None = None  # only in the answer that created the key
 
 
+class WebhookEndpoint(_Obj):
+    """Where the owner's job events go; ``secret`` (``whsec_…``, Standard Webhooks) only in the
+    answer that created it."""
+
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    url: str
+    events: list[str]
+    created_at: int
+    secret: str | None = None
+
+
+class WebhookEndpointDeleted(_Obj):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    deleted: bool
+
+
+class WebhookDelivery(_Obj):
+    """One event sent to one endpoint, and how its delivery went: ``id`` is the ``webhook-id``
+    header, the same on every attempt."""
+
+    id: str
+    object: Literal["webhook_delivery"] = "webhook_delivery"
+    webhook_id: str
+    event_id: str
+    event_type: str
+    job_id: str
+    status: Literal["pending", "delivered", "failed"]
+    attempts: int
+    last_status_code: int | None = None
+    last_error: str | None = None
+    last_attempt_at: int | None = None
+    next_attempt_at: int | None = None
+    delivered_at: int | None = None
+    created_at: int
+
+
+class WebhookEvent(_Obj):
+    """A webhook's body, OpenAI's event shape: ``type`` is ``fine_tuning.job.succeeded`` (or
+    ``failed``, ``cancelled``, ``paused``) and ``data`` holds the job's ``id``."""
+
+    id: str
+    object: Literal["event"] = "event"
+    created_at: int
+    type: str
+    data: dict[str, Any]
+
+
 class ReportIssue(_Obj):
     line: int | None = None
     field: str | None = None

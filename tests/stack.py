@@ -1,5 +1,6 @@
-"""Start the real service for a test: a fresh database, the API under uvicorn and Celery worker
-processes, each a separate OS process talking over real sockets."""
+"""Start the real service for a test: a fresh database, the API under uvicorn, Celery worker
+processes and the webhook worker (a Celery worker on the webhook queue only), each a separate OS
+process talking over real sockets."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class Stack:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
+        self.webhook_worker: subprocess.Popen | None = None
         self.keys: dict[str, str] = {}
         self.logs = home / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -109,6 +111,7 @@ class Stack:
         )
         for _ in range(workers):
             self.start_worker()
+        self.start_webhook_worker()
         deadline = time.time() + 60
         while time.time() < deadline:
             try:
@@ -143,6 +146,31 @@ class Stack:
         self.workers.append(w)
         return w
 
+    def start_webhook_worker(self) -> subprocess.Popen:
+        """The webhook worker: threads, on the webhook queue only (api/webhooks.py), never training."""
+        self.webhook_worker = self._spawn(
+            "webhooks",
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "workers.celery_app",
+                "worker",
+                "--pool=threads",
+                "--concurrency=4",
+                "--loglevel=INFO",
+                "-Q",
+                self.env.get("KILN_WEBHOOK_QUEUE") or self.env["KILN_QUEUE"] + "-webhooks",
+                "-n",
+                f"hooks-{uuid.uuid4().hex[:6]}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+        )
+        return self.webhook_worker
+
     def kill_worker(self, w: subprocess.Popen) -> None:
         os.killpg(w.pid, signal.SIGKILL)
         w.wait(timeout=30)
@@ -160,10 +188,10 @@ class Stack:
         return p.read_text(errors="replace") if p.exists() else ""
 
     def stop(self) -> None:
-        for p in [*self.workers, self.api]:
+        for p in [*self.workers, self.webhook_worker, self.api]:
             if p and p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
-        for p in [*self.workers, self.api]:
+        for p in [*self.workers, self.webhook_worker, self.api]:
             if p:
                 try:
                     p.wait(timeout=20)

@@ -1,6 +1,7 @@
 """Re-send jobs nobody is working on (``api.lifecycle.stale``): running jobs whose lease expired
 (their worker died) and queued jobs whose message never reached the broker or got lost there; a
-job whose worker died while pausing is paused.
+job whose worker died while pausing is paused. It also re-sends webhook deliveries that are due and
+that no sender took (``api.webhooks.resend_stale``: never sent, message lost, sender died).
 
 Every worker runs one; the guarded UPDATE makes sure a job is re-sent once per period however
 many reapers see it.
@@ -14,7 +15,7 @@ import time
 
 from sqlalchemy import select, update
 
-from api import lifecycle, queue
+from api import lifecycle, queue, webhooks
 from api.db import session_scope
 from api.models import Job
 from api.settings import get_settings
@@ -52,3 +53,8 @@ class Reaper(threading.Thread):
                     log.warning("re-sent job %s", job_id)
             except Exception:
                 log.exception("reaper pass failed")
+            try:
+                for delivery_id in webhooks.resend_stale():
+                    log.warning("re-sent webhook delivery %s", delivery_id)
+            except Exception:
+                log.exception("webhook reaper pass failed")

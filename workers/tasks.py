@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from api.queue import RUN_TASK
+from api import webhooks
+from api.queue import RUN_TASK, WEBHOOK_TASK
 from workers.celery_app import app
 
 
@@ -11,3 +12,9 @@ def run_finetune(job_id: str) -> str:
     from workers.runner import run_job
 
     return run_job(job_id)
+
+
+@app.task(name=WEBHOOK_TASK)
+def deliver_webhook(delivery_id: str) -> str:
+    """On the webhook queue (api/webhooks.py), which its own worker consumes: never behind training."""
+    return webhooks.deliver(delivery_id)

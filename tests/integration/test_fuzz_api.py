@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import wait_for
+from tests.stack import free_port
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -38,6 +39,9 @@ def test_the_server_keeps_to_its_spec(make_pg_stack, tmp_path):
         )
         ckpt = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"][0]
         spare = c.post("/v1/keys", json={"name": "spare"}).json()
+        nobody = f"http://127.0.0.1:{free_port()}/hook"  # the webhook worker's attempts are refused at once
+        hook = c.post("/v1/webhooks", json={"url": nobody}).json()
+        doomed_hook = c.post("/v1/webhooks", json={"url": nobody}).json()  # what DELETE /v1/webhooks/{webhook_id} gets
         doomed = c.post(  # what DELETE /v1/files/{file_id} gets: the file the other routes read stays
             "/v1/files", files={"file": ("b.jsonl", (json.dumps(GOOD) + "\n").encode())}, data={"purpose": "fine-tune"}
         ).json()
@@ -55,10 +59,19 @@ directory = "{tmp_path / "schemathesis-cache"}"
 "path.ckpt_id" = "{ckpt["id"]}"
 "path.key_id" = "{spare["id"]}"
 "path.model_id" = "{job["fine_tuned_model"]}"
+"path.webhook_id" = "{hook["id"]}"
 
 [[operations]]
 include-name = "DELETE /v1/files/{{file_id}}"
 parameters = {{ "path.file_id" = "{doomed["id"]}" }}
+
+[[operations]]
+include-name = "DELETE /v1/webhooks/{{webhook_id}}"
+parameters = {{ "path.webhook_id" = "{doomed_hook["id"]}" }}
+
+[[operations]]
+include-name = "POST /v1/webhooks"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "409", "429"]
 
 [[operations]]
 include-name = "POST /v1/files"
