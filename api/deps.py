@@ -1,10 +1,15 @@
-"""Request-scoped dependencies: the database session and the store."""
+"""Request-scoped dependencies (the database session, the store) and the router every route
+module uses."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable
 from functools import lru_cache
+from typing import Any
 
+from fastapi import APIRouter
 from sqlalchemy.orm import Session
 
 from api.db import get_sessionmaker
@@ -32,3 +37,28 @@ def get_store() -> LocalStore:
 def get_rate_limiter() -> RateLimiter:
     settings = get_settings()
     return RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst)
+
+
+def _releasing(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(endpoint)  # FastAPI reads the signature (and its names) through __wrapped__
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return endpoint(*args, **kwargs)
+        finally:
+            session = kwargs.get("session")
+            if isinstance(session, Session):
+                session.close()
+
+    return run
+
+
+class Router(APIRouter):
+    """A sync route gives its database connection back the moment it returns. FastAPI validates
+    a sync route's response in the threadpool: a session held across that second thread hop ran
+    the pool dry under load, requests holding connections waiting for threads that waited for
+    connections (tests/integration/test_load.py)."""
+
+    def add_api_route(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        if not inspect.iscoroutinefunction(endpoint):
+            endpoint = _releasing(endpoint)
+        super().add_api_route(path, endpoint, **kwargs)

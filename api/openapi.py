@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from starlette.routing import Match, Mount
 
-from api.errors import responses
+from api.errors import error_response, responses
 from kiln.types import ErrorResponse
 
 METHODS = ("get", "put", "post", "delete", "patch", "head", "options", "trace")
@@ -70,13 +70,16 @@ def install(app: FastAPI) -> None:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    @app.middleware("http")
-    async def _allow(request: Request, call_next):
-        if request.method == "OPTIONS":
-            methods = allowed(app, request.scope)
-            if methods:
-                return Response(status_code=204, headers={"Allow": ", ".join(methods)})
-        response = await call_next(request)
-        if response.status_code == 405:
-            response.headers["Allow"] = ", ".join(allowed(app, request.scope))
-        return response
+    # Plain routes and handlers, not a middleware: an http middleware holds each request's
+    # dependencies (its database session) until the response is sent, and under load the pool
+    # ran dry (tests/integration/test_load.py).
+    @app.options("/{path:path}", include_in_schema=False, status_code=204)
+    def _options(request: Request) -> Response:
+        methods = allowed(app, request.scope)
+        if not methods:
+            return error_response(404, "Not Found")
+        return Response(status_code=204, headers={"Allow": ", ".join(methods)})
+
+    @app.exception_handler(405)
+    async def _not_allowed(request: Request, exc: Exception) -> Response:
+        return error_response(405, "Method Not Allowed", headers={"Allow": ", ".join(allowed(app, request.scope))})

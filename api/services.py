@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api import catalog, lifecycle, queue
@@ -75,6 +77,29 @@ def remember(session: Session, owner: str, key: str | None, endpoint: str, fp: s
         session.add(
             IdempotencyRecord(owner=owner, key=key, endpoint=endpoint, fingerprint=fp, status_code=status, body=body)
         )
+
+
+def idempotent(
+    session: Session, owner: str, key: str | None, endpoint: str, request: str, make: Callable[[], dict]
+) -> dict | JSONResponse:
+    """Answer a JSON POST once per Idempotency-Key: the stored answer when the same request came
+    before, else ``make()``'s (its writes committed with the key's record; the same key sent twice
+    at once: the request that lost the race gets the winner's answer)."""
+    fp = fingerprint(owner, endpoint, request)
+    prior = replay(session, owner, key, endpoint, fp)
+    if prior:
+        return prior
+    body = make()
+    remember(session, owner, key, endpoint, fp, 200, body)
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        prior = replay(session, owner, key, endpoint, fp)
+        if prior is None:
+            raise
+        return prior
+    return body
 
 
 # ---- files -----------------------------------------------------------------------------------

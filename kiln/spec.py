@@ -401,9 +401,11 @@ def field_path(loc: tuple) -> str:
         if p not in ("body", "query", "path", "header")
         and not (isinstance(p, str) and ("[" in p or "-" in p or p in _UNION_TAGS))
     ]
-    out = ""
+    out, last = "", None
     for p in parts:
-        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+        if p != last or p.isdigit():  # a tagged union's tag is its branch's field: wandb.wandb -> wandb
+            out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+        last = p
     return out
 
 

@@ -7,18 +7,18 @@ import tempfile
 import zipfile
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from fastapi.responses import FileResponse
 from sqlalchemy.orm import Session
 from starlette.background import BackgroundTask
 
 from api import services
 from api.auth import current_owner
-from api.deps import get_session, get_store
+from api.deps import Router, get_session, get_store
 from api.errors import Conflict, responses
 from kiln.store import LocalStore
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+router = Router(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 ZIP: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/zip": {}}, "description": "the adapter in the PEFT layout, zipped"}
 }

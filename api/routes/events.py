@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import Depends, Header, Query
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -23,13 +23,13 @@ from starlette.concurrency import run_in_threadpool
 from api import services
 from api.auth import current_owner
 from api.db import get_sessionmaker
-from api.deps import get_session
+from api.deps import Router, get_session
 from api.errors import responses
 from api.models import TERMINAL_STATES, Job
 from api.schemas import event_public
 from api.settings import get_settings
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+router = Router(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 log = logging.getLogger("kiln.api")
 MAX_CURSOR = 2**31 - 1  # event pks are 32-bit integers
 # Set when the server is told to stop (api.app installs the signal hook): every open stream ends

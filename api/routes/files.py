@@ -5,7 +5,7 @@ from __future__ import annotations
 import zipfile
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import Depends, Header, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from api import catalog, services
 from api.auth import current_owner
 from api.datasets import check_archive, check_dataset, open_source, raise_if_bad
-from api.deps import get_session, get_store
+from api.deps import Router, get_session, get_store
 from api.errors import Invalid, responses
 from api.models import File
 from api.schemas import file_public, page
@@ -24,7 +24,7 @@ from kiln.catalog import CARDS
 from kiln.store import LocalStore, Upload
 from kiln.types import DatasetReport, FileDeleted, FileObject, ListOf
 
-router = APIRouter(tags=["files"])
+router = Router(tags=["files"])
 UPLOAD = "POST /v1/files"
 PURPOSES = ("fine-tune",)
 

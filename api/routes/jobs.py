@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import Depends, Header, Query
+from fastapi.responses import JSONResponse
 from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api import services
 from api.auth import current_owner
-from api.deps import get_session, get_store
+from api.deps import Router, get_session, get_store
 from api.errors import responses
 from api.models import Job
 from api.schemas import checkpoint_public, event_public, job_public, page
@@ -19,7 +19,7 @@ from kiln.store import LocalStore
 from kiln.types import Checkpoint, JobEvent, ListOf
 from kiln.types import Job as JobOut
 
-router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
+router = Router(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 CREATE = "POST /v1/fine_tuning/jobs"
 Limit = Query(20, ge=1, le=100, description="page size")
 
@@ -32,23 +32,16 @@ def create_job(
     store: LocalStore = Depends(get_store),
     idem: str | None = Header(None, alias="Idempotency-Key", max_length=300),
 ):
-    fp = services.fingerprint(owner, CREATE, req.model_dump_json(exclude_unset=True))
-    prior = services.replay(session, owner, idem, CREATE, fp)
-    if prior:
-        return prior
-    job = services.create_job(session, store, get_settings(), owner, req)
-    body = job_public(job)
-    services.remember(session, owner, idem, CREATE, fp, 200, body)
-    try:
-        session.commit()
-    except IntegrityError:  # the same key, sent twice at once: the other request made the job
-        session.rollback()
-        prior = services.replay(session, owner, idem, CREATE, fp)
-        if prior is None:
-            raise
-        return prior
-    services.start_job(session, job)
-    return body
+    made: list[Job] = []
+
+    def make() -> dict:
+        made.append(services.create_job(session, store, get_settings(), owner, req))
+        return job_public(made[0])
+
+    answer = services.idempotent(session, owner, idem, CREATE, req.model_dump_json(exclude_unset=True), make)
+    if made and not isinstance(answer, JSONResponse):  # made now, not a replay
+        services.start_job(session, made[0])
+    return answer
 
 
 @router.get("", response_model=ListOf[JobOut], responses=responses(404))

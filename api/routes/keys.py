@@ -3,19 +3,19 @@ returned once; only its hash is stored."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.auth import create_key, current_owner, revoke_key
-from api.deps import get_session
+from api.deps import Router, get_session
 from api.errors import not_found, responses
 from api.models import ApiKey
 from kiln.spec import Text
 from kiln.types import ApiKeyInfo, ListOf
 
-router = APIRouter(prefix="/v1/keys", tags=["keys"])
+router = Router(prefix="/v1/keys", tags=["keys"])
 
 
 class KeyCreate(BaseModel):

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import Depends
 from sqlalchemy.orm import Session
 
 from api import services
 from api.auth import current_owner
-from api.deps import get_session
+from api.deps import Router, get_session
 from api.errors import not_found, responses
 from kiln.types import ListOf, Model
 
-router = APIRouter(prefix="/v1/models", tags=["models"])
+router = Router(prefix="/v1/models", tags=["models"])
 
 
 @router.get("", response_model=ListOf[Model])

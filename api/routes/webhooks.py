@@ -4,14 +4,13 @@ api/webhooks.py."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Header, Query
+from fastapi import Depends, Header, Query
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api import services, webhooks
 from api.auth import current_owner
-from api.deps import get_session
+from api.deps import Router, get_session
 from api.errors import responses
 from api.models import WebhookDelivery, WebhookEndpoint
 from api.schemas import page
@@ -19,7 +18,7 @@ from kiln.types import ListOf, WebhookEndpointDeleted
 from kiln.types import WebhookDelivery as DeliveryOut
 from kiln.types import WebhookEndpoint as EndpointOut
 
-router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
+router = Router(prefix="/v1/webhooks", tags=["webhooks"])
 CREATE = "POST /v1/webhooks"
 Limit = Query(20, ge=1, le=100, description="page size")
 _PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
@@ -43,21 +42,10 @@ def create_webhook(
     idem: str | None = Header(None, alias="Idempotency-Key", max_length=300),
 ):
     """A new endpoint; the answer holds its signing secret (``whsec_…``), shown this once."""
-    fp = services.fingerprint(owner, CREATE, req.model_dump_json(exclude_unset=True))
-    prior = services.replay(session, owner, idem, CREATE, fp)
-    if prior:
-        return prior
-    body = webhooks.endpoint_public(webhooks.create_endpoint(session, owner, req.url, req.events), with_secret=True)
-    services.remember(session, owner, idem, CREATE, fp, 200, body)
-    try:
-        session.commit()
-    except IntegrityError:  # the same key, sent twice at once: the other request made the endpoint
-        session.rollback()
-        prior = services.replay(session, owner, idem, CREATE, fp)
-        if prior is None:
-            raise
-        return prior
-    return body
+    make = lambda: webhooks.endpoint_public(
+        webhooks.create_endpoint(session, owner, req.url, req.events), with_secret=True
+    )
+    return services.idempotent(session, owner, idem, CREATE, req.model_dump_json(exclude_unset=True), make)
 
 
 @router.get("", response_model=ListOf[EndpointOut], responses=responses(404))

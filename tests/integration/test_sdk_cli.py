@@ -156,7 +156,7 @@ def test_cli_upload_create_watch_logs_download(pg_stack, sample, tmp_path):
     up = cli(pg_stack, "upload", str(sample / "train.jsonl"))  # text: readable, no Python dict
     assert up.returncode == 0, up.stderr
     assert re.fullmatch(
-        r"file-\S+  train\.jsonl  \d+ bytes  examples 240  messages 480  images 147(  \w+ [\d.]+)*\n",
+        r"file-\S+  train\.jsonl  \d+ bytes  format chat  examples 240  messages 480  images 147(  \w+ [\d.]+)*\n",
         up.stdout,
     ), up.stdout
     up = cli(pg_stack, "upload", str(sample / "train.jsonl"), "--json")  # --json after the subcommand
@@ -225,7 +225,7 @@ def test_cli_validate_reports_missing_images(sample, tmp_path):
     issues = json.loads(run_module("kiln.cli", "validate", str(sample / "train.jsonl"), "--json").stdout)["issues"]
     assert len(issues) == 100 and {i["field"] for i in issues} == {"images[0]"}
     given = run_module("kiln.cli", "validate", str(sample / "train.jsonl"), "--images", str(sample / "images.zip"))
-    assert given.returncode == 0 and given.stdout.startswith("ok: examples 240  messages 480  images 147")
+    assert given.returncode == 0 and given.stdout.startswith("ok: format chat  examples 240  messages 480  images 147")
     # one zip holding the JSONL and its images needs no --images; an image it lacks is named
     lines = (sample / "train.jsonl").read_text().splitlines()[:4]  # lines 1 and 4 name an image each
     with zipfile.ZipFile(sample / "images.zip") as src, zipfile.ZipFile(tmp_path / "set.zip", "w") as dst:

@@ -48,12 +48,14 @@ def alices(stack):
         )
         ckpt = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"][0]
         key = c.post("/v1/keys", json={"name": "second"}).json()
+        hook = c.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/hook"}).json()
         spec = c.get("/openapi.json").json()
     return {
         "file_id": f["id"],
         "job_id": job["id"],
         "ckpt_id": ckpt["id"],
         "key_id": key["id"],
+        "webhook_id": hook["id"],
         "model_id": job["fine_tuned_model"],
         "spec": spec,
     }

@@ -5,10 +5,12 @@ recompute; quantized caches stay close; misuse is an error, never silently wrong
 from __future__ import annotations
 
 import copy
+import re
 from collections import Counter
 
 import pytest
 import torch
+from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.swap_core import rel_err
@@ -18,7 +20,7 @@ from engine.memory import apply_swap_core
 from engine.memory.swap_core import SwapCore, quantize
 from engine.model.common.moe import Router, situ
 from engine.model.hybrid import HybridForCausalLM
-from kiln.spec import LoraSpec, MemorySpec
+from kiln.spec import LoraSpec, MemorySpec, explain
 from kiln_kernels.moe import grouped
 
 OPS = ["mm", "grouped_mm", "kernels"]  # matmuls too: on a CPU the kernels' class has nothing to keep
@@ -479,18 +481,20 @@ def test_kept_experts_run_no_grouped_gemm_again(lora_on):
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("recompute", "some", "memory.recompute"),
-        ("tier", "disk", "memory.tier"),
-        ("quantize", "fp4", "memory.quantize"),
-        ("cache_ops", ["mm", "conv"], "unknown op class"),
-        ("device_budget_mb", -1.0, "device_budget_mb"),
-        ("blocks", ["mlp", "ffn"], "memory.blocks"),
-        ("blocks", [], "memory.blocks"),
+        ("recompute", "some", "recompute: Input should be 'none', 'full' or 'selective'"),
+        ("tier", "disk", "tier: Input should be 'device', 'host' or 'auto'"),
+        ("quantize", "fp4", "quantize: Input should be 'none', 'fp8' or 'int8'"),
+        ("cache_ops", ["mm", "conv"], r"cache_ops\[1\]: Input should be 'mm'"),
+        ("device_budget_mb", -1.0, "device_budget_mb: Input should be greater than or equal to 0"),
+        ("blocks", ["mlp", "ffn"], r"blocks\[1\]: Input should be 'attention' or 'mlp'"),
+        ("blocks", [], "blocks: List should have at least 1 item"),
     ],
 )
 def test_bad_settings_are_named(field, value, message):
-    with pytest.raises(ValueError, match=message):
-        SwapCore(MemorySpec(**{"recompute": "selective", field: value}))
+    """The spec refuses them (kiln.spec: one message per field, as every entry point says it)."""
+    with pytest.raises(ValidationError) as e:
+        MemorySpec(**{"recompute": "selective", field: value})
+    assert re.match(message, explain(e.value)[0]), explain(e.value)[0]
 
 
 def test_a_model_without_layers_is_refused():

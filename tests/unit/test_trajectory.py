@@ -2,12 +2,16 @@
 trainer or the model code that changes what a step computes changes these numbers (#29: the
 composed trainer had to reproduce them). kiln-tiny as the quickstart trains it (LoRA, sample
 data, validation), kiln-hybrid-tiny (the hybrid's debug flavor) with its indexer loss and
-experts. One thread: the CPU's sums in a fixed order. Pinned on the 2-core CI machine's kind;
-re-pin (``KILN_REPIN=1``: the test prints the new values) only for a change meant to alter a
-step's arithmetic, and say so in the commit."""
+experts. One thread: the CPU's sums in a fixed order. Pinned to 1e-6 relative, not to the bit:
+the CPU's kind moves the last bits (the pins were made on one VM; an AMD EPYC VM's kiln-tiny
+validation loss differs from them by 1e-8 relative, the hybrid's first loss by 1e-7), while a
+change to what a step computes (another LoRA target, another order of operations in a layer)
+moves the losses by far more. Re-pin (``KILN_REPIN=1``: the test prints the new values) only for
+a change meant to alter a step's arithmetic, and say so in the commit."""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -74,4 +78,14 @@ def test_the_loss_trajectory_is_pinned(model, tmp_path):
     if os.environ.get("KILN_REPIN"):
         print(f"\n{model!r}: {got},")
         return
-    assert got == PINNED[model]
+    assert got.keys() == PINNED[model].keys()
+    for step, want in PINNED[model].items():  # the CPU's kind moves the last bits (see the docstring)
+        values = [float.fromhex(v) for v in got[step].split()]
+        pinned = [float.fromhex(v) for v in want.split()]
+        assert len(values) == len(pinned) and all(
+            math.isclose(a, b, rel_tol=1e-6) for a, b in zip(values, pinned, strict=True)
+        ), (
+            step,
+            got[step],
+            want,
+        )
