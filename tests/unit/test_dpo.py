@@ -51,6 +51,24 @@ def test_a_preference_line_is_checked_by_line_and_field():
     assert "non_preferred_output: must be a non-empty list" in str(parse_line(4, json.dumps(none))[1][0])
 
 
+def test_a_preference_pair_takes_images_in_its_input():
+    with_image = {
+        **PAIRS[0],
+        "images": ["images/a.png"],
+        "input": {"messages": [{"role": "user", "content": "<image>\nWhat colour?"}]},
+    }
+    ex, issues = parse_line(5, json.dumps(with_image))
+    assert not issues and ex is not None and ex.images == ["images/a.png"] and ex.other().images == ex.images
+    in_answer = {**with_image, "preferred_output": [{"role": "assistant", "content": "<image> red"}]}
+    assert "preferred_output[0].content: <image> belongs in user or system messages" in [
+        f"{i.field}: {i.message}" for i in parse_line(6, json.dumps(in_answer))[1]
+    ]
+    count = {**PAIRS[0], "images": ["images/a.png"]}  # no placeholder for it
+    assert [f"{i.field}: {i.message}" for i in parse_line(7, json.dumps(count))[1]] == [
+        "images: 0 <image> placeholder(s) but 1 image(s)"
+    ]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("store") / "models" / "kiln-tiny"
