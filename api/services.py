@@ -20,7 +20,7 @@ from api.estimate import estimate
 from api.models import TERMINAL_STATES, Checkpoint, File, IdempotencyRecord, Job, JobEvent, now
 from api.settings import Settings
 from kiln.catalog import CARDS, ModelCard
-from kiln.dataset import LengthBound, Report
+from kiln.dataset import LengthBound, Report, method_takes
 from kiln.spec import JobRequest, resolve
 from kiln.store import LocalStore
 
@@ -289,18 +289,10 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
     length = catalog.length_bound(card.name, requested["hyperparameters"].get("max_seq_len"))
     for f, param in ((train, "training_file"), (valid, "validation_file")):
         if f is not None:
-            want = "preference" if req.method_type == "dpo" else "chat"
-            if f.stats.get("format", "chat") != want:
-                raise Invalid(
-                    f"{param} {f.id} holds {f.stats.get('format', 'chat')} examples; method {req.method_type} "
-                    + (
-                        "takes preference pairs (input, preferred_output, non_preferred_output)"
-                        if want == "preference"
-                        else "takes chat examples (messages); preference pairs train with method dpo"
-                    ),
-                    param=param,
-                    code=f"invalid_{param}",
-                )
+            kind = f.stats.get("format", "chat")
+            wrong = method_takes(req.method_type, kind == "preference")
+            if wrong:
+                raise Invalid(f"{param} {f.id} holds {kind} examples; {wrong}", param=param, code=f"invalid_{param}")
             report = dataset_report(store, settings, f, images, card.name, length, param)
             raise_if_bad(report, param, f"{param} {f.id}")
 

@@ -28,7 +28,16 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from kiln.dataset import DatasetError, DatasetSource, Example, Issue, LengthBound, bounded_lines, parse_line
+from kiln.dataset import (
+    DatasetError,
+    DatasetSource,
+    Example,
+    Issue,
+    LengthBound,
+    bounded_lines,
+    mixed_kind,
+    parse_line,
+)
 from kiln.tokenizer import ChatTemplate, Tokenizer, encode_chat
 
 IGNORE = -100
@@ -124,13 +133,9 @@ class Dataset:
                 if ex.images and image_tokens is None:
                     issues.append(Issue(n, "images", "the model takes no image input"))
                     continue
-                if self.pairs is not None and self.pairs != (ex.rejected is not None):
-                    kind = (
-                        "a chat example among preference pairs"
-                        if self.pairs
-                        else "a preference pair among chat examples"
-                    )
-                    issues.append(Issue(n, "", kind))
+                mixed = mixed_kind(self.pairs, ex)
+                if mixed:
+                    issues.append(Issue(n, "", mixed))
                     continue
                 self.pairs = ex.rejected is not None
                 try:

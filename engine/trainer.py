@@ -28,7 +28,7 @@ from engine.training.hyper import lr_lambda, resolve
 from engine.training.objective import objective_for
 from engine.training.ranks import ranks_for
 from engine.training.step import accumulate, dpo_accumulate, dpo_evaluate, evaluate
-from kiln.dataset import DatasetError, Issue, LengthBound
+from kiln.dataset import DatasetError, Issue, LengthBound, method_takes
 from kiln.spec import JobSpec
 from kiln.tokenizer import chat_template, load_tokenizer
 
@@ -110,12 +110,8 @@ class Trainer:
         self.train_set = Dataset(
             spec.training_file, spec.images_file, tok, tpl, image_size, image_tokens, length, self.work, cache
         )
-        if self.train_set.pairs != (spec.method == "dpo"):
-            wrong = (
-                "method dpo takes preference pairs (input, preferred_output, non_preferred_output)"
-                if spec.method == "dpo"
-                else "preference pairs train with method dpo"
-            )
+        wrong = method_takes(spec.method, bool(self.train_set.pairs))
+        if wrong:
             raise DatasetError([Issue(0, "", wrong)])
         self.beta = 0.1 if spec.beta == "auto" else spec.beta  # DPO's; TRL's and OpenAI's default
         self.train_idx, self.valid_idx = split(len(self.train_set), spec.validation_split, spec.seed)

@@ -231,6 +231,23 @@ def _images(line: int, obj: dict, part_images: list[str], placeholders: int, iss
 PREFERENCE_FIELDS = ("input", "preferred_output", "non_preferred_output")
 
 
+def mixed_kind(pairs: bool | None, ex: Example) -> str | None:
+    """Why ``ex`` cannot join a dataset whose examples so far are preference pairs (``pairs``
+    True) or chat examples (False; None: it is the first). One kind per dataset."""
+    if pairs is None or pairs == (ex.rejected is not None):
+        return None
+    return "a chat example among preference pairs" if pairs else "a preference pair among chat examples"
+
+
+def method_takes(method: str, pairs: bool) -> str | None:
+    """Why a dataset of preference pairs (or of chat examples) cannot train with ``method``."""
+    if pairs == (method == "dpo"):
+        return None
+    if method == "dpo":
+        return "method dpo takes preference pairs (input, preferred_output, non_preferred_output)"
+    return f"method {method} takes chat examples (messages); preference pairs train with method dpo"
+
+
 def parse_line(line: int, raw: bytes | str, max_line_bytes: int = 8 << 20) -> tuple[Example | None, list[Issue]]:
     """Parse one JSONL line into an Example, or return the issues that stop it. A line with
     OpenAI's preference fields (``input.messages``, ``preferred_output``,
@@ -372,12 +389,9 @@ def validate(
                 problem = check_image(ref)
                 if problem:
                     add(Issue(n, f"images[{k}]", problem))
-        if pairs is not None and pairs != (ex.rejected is not None):
-            add(
-                Issue(
-                    n, "", "a preference pair among chat examples" if pairs else "a chat example among preference pairs"
-                )
-            )
+        mixed = mixed_kind(pairs, ex)
+        if mixed:
+            add(Issue(n, "", mixed))
             continue
         pairs = ex.rejected is not None
         if tokenize is not None:

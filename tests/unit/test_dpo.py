@@ -17,7 +17,7 @@ from engine.lora import apply_lora
 from engine.model.registry import ensure_builtin, load_base
 from engine.reporting import RecordingReporter
 from engine.training.step import dpo_loss, dpo_terms
-from kiln.dataset import DatasetError, LengthBound, parse_line
+from kiln.dataset import DatasetError, LengthBound, parse_line, validate
 from kiln.spec import JobSpec, LoraSpec
 from kiln.store import LocalStore
 from kiln.tokenizer import chat_template, load_tokenizer
@@ -47,6 +47,9 @@ def test_a_preference_line_is_checked_by_line_and_field():
     assert [str(i) for i in parse_line(3, json.dumps(bad))[1]] == [
         "line 3: preferred_output[0].role: must be 'assistant'"
     ]
+    chat = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    mixed = validate([json.dumps(PAIRS[0]).encode(), chat.encode()])  # the upload's check, as the engine's
+    assert [str(i) for i in mixed.issues] == ["line 2: a chat example among preference pairs"]
     none = {k: v for k, v in PAIRS[0].items() if k != "non_preferred_output"}
     assert "non_preferred_output: must be a non-empty list" in str(parse_line(4, json.dumps(none))[1][0])
 
