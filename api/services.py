@@ -285,7 +285,7 @@ def create_job(session: Session, store: LocalStore, settings: Settings, owner: s
             )
         lora = parent.pop("lora")
         requested["from"] = parent
-    resolved = resolve(card, requested["hyperparameters"], lora)
+    resolved = resolve(card, requested["hyperparameters"], lora, req.method_type)
     length = catalog.length_bound(card.name, requested["hyperparameters"].get("max_seq_len"))
     for f, param in ((train, "training_file"), (valid, "validation_file")):
         if f is not None:

@@ -133,8 +133,14 @@ class ParallelSpec(_Spec):
     ep_size: Annotated[int, Strict(), Interval(ge=1, le=64), Whole] = 1
     cp_size: Annotated[int, Strict(), Interval(ge=1, le=64), Whole] = 1
 
-    def check(self) -> None:
-        """The rule between the fields (a schema states each field's bounds, not this one)."""
+    def check(self, method: str = "supervised") -> None:
+        """The rules between the fields (a schema states each field's bounds, not these), and the
+        method's: DPO runs in one process for now."""
+        if method == "dpo" and self.nproc > 1:
+            raise SpecError(
+                "hyperparameters.parallel.nproc: method dpo runs in one process (nproc 1) for now",
+                "hyperparameters.parallel.nproc",
+            )
         for name in ("ep_size", "cp_size"):
             if self.nproc % getattr(self, name):
                 raise SpecError(
@@ -307,12 +313,14 @@ class Resolved(_Spec):
     lora: LoraSpec
 
 
-def resolve(card: ModelCard, hyperparameters: dict[str, Any], lora: dict[str, Any]) -> Resolved:
+def resolve(
+    card: ModelCard, hyperparameters: dict[str, Any], lora: dict[str, Any], method: str = "supervised"
+) -> Resolved:
     """The request's settings with the card's defaults filled; a setting the model cannot run is
     a ``SpecError`` naming the field and what it can take."""
     hp = Hyperparameters.model_validate(hyperparameters)
     adapter = _with_defaults(LoraSpec.model_validate(lora), card)
-    hp.parallel.check()
+    hp.parallel.check(method)
     for field, allowed in (("target_modules", card.lora.modules), ("target_parameters", card.lora.parameters)):
         unknown = [t for t in getattr(adapter, field) if t not in allowed]
         if unknown:
@@ -373,9 +381,9 @@ class JobSpec(Hyperparameters):
 
     @model_validator(mode="after")
     def _model_targets(self) -> JobSpec:
-        self.parallel.check()
-        if self.method == "dpo" and (self.parallel.nproc > 1 or self.training != "lora"):
-            raise SpecError("method dpo runs LoRA in one process (parallel.nproc 1) for now", "method")
+        self.parallel.check(self.method)
+        if self.method == "dpo" and self.training != "lora":
+            raise SpecError("method dpo trains LoRA (its reference is the base, the adapters off)", "method")
         if self.model in CARDS:
             self.lora = _with_defaults(self.lora, CARDS[self.model])
         return self

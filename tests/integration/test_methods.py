@@ -69,6 +69,13 @@ def test_dpo_through_the_openai_sdk(stack, files):
             method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}},
             extra_body={"images_file": files["images"]},
         )
+    with pytest.raises(BadRequestError, match="method dpo runs in one process"):
+        client.fine_tuning.jobs.create(
+            model="kiln-tiny",
+            training_file=files["prefs"],
+            method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.1}}},
+            extra_body={"hyperparameters": {"parallel": {"nproc": 2}}},
+        )
     with pytest.raises(BadRequestError, match="hyperparameters.beta is DPO's"):
         client.fine_tuning.jobs.create(
             model="kiln-tiny",
