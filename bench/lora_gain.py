@@ -21,13 +21,13 @@ import torch
 
 import engine
 from engine.data import Dataset
-from engine.generate import answer
+from engine.inference.evaluate import exact_match as answers_match
 from engine.lora import apply_lora, load_adapter
 from engine.model.registry import load_base
 from engine.reporting import RecordingReporter
 from engine.training.ranks import Single
 from engine.training.step import evaluate
-from kiln.dataset import DatasetSource, LengthBound, iter_lines, parse_line
+from kiln.dataset import LengthBound
 from kiln.spec import JobSpec, LoraSpec
 from kiln.store import LocalStore
 from kiln.tokenizer import chat_template, load_tokenizer
@@ -42,35 +42,28 @@ def split(src: Path, dst: Path, images: bool) -> Path:
     return dst
 
 
-def exact_match(model, folder: Path, test: Path) -> float:
+def dataset(model, folder: Path, data: Path, work: Path) -> Dataset:
     tok = load_tokenizer(folder)
     tpl = chat_template(tok)
-    source = DatasetSource(test, SAMPLE / "images.zip")
-    right = total = 0
-    for n, raw in iter_lines(source.lines()):
-        ex, _ = parse_line(n, raw)
-        assert ex is not None, f"test.jsonl line {n} does not parse"
-        right += answer(model, tok, tpl, ex, source).strip() == ex.messages[-1].content.strip()
-        total += 1
-    return right / total
+    bound = LengthBound("kiln-tiny", 2048)
+    return Dataset(data, SAMPLE / "images.zip", tok, tpl, model.image_size, model.image_tokens, bound, work)
+
+
+def exact_match(model, folder: Path, test: Path, work: Path) -> float:
+    """The trainer's own exact match of greedy answers (engine.inference.evaluate)."""
+    ds = dataset(model, folder, test, work)
+    try:
+        return answers_match(model, ds, list(range(len(ds))))
+    finally:
+        ds.close()
 
 
 def validation_loss(model, folder: Path, data: Path, work: Path) -> float:
     """The trainer's own validation loss, for a model as it is."""
-    tok = load_tokenizer(folder)
-    tpl = chat_template(tok)
-    ds = Dataset(
-        data,
-        SAMPLE / "images.zip",
-        tok,
-        tpl,
-        model.image_size,
-        model.image_tokens,
-        LengthBound("kiln-tiny", 2048),
-        work,
-    )
+    ds = dataset(model, folder, data, work)
     try:
-        return evaluate(model, ds, list(range(len(ds))), 8, tpl.pad_id, 2048, Single(torch.device("cpu")))["valid_loss"]
+        pad = ds.tpl.pad_id
+        return evaluate(model, ds, list(range(len(ds))), 8, pad, 2048, Single(torch.device("cpu")))["valid_loss"]
     finally:
         ds.close()
 
@@ -119,11 +112,11 @@ def run(work: Path, pretrain_steps: int, lora_steps: int) -> dict:
     done = engine.train(spec, store, lora)
     valid = {s: v["valid_loss"] for s, v in lora.steps.items() if "valid_loss" in v}
     base_model = load_base(base_dir).eval()
-    base_em = exact_match(base_model, base_dir, img_test)
+    base_em = exact_match(base_model, base_dir, img_test, work)
     tuned = load_base(base_dir)
     apply_lora(tuned, spec.lora)
     load_adapter(tuned, store.path(f"{spec.artifacts}/checkpoints/step-{lora_steps:07d}"))
-    tuned_em = exact_match(tuned.eval(), base_dir, img_test)
+    tuned_em = exact_match(tuned.eval(), base_dir, img_test, work)
     base_valid = validation_loss(base_model, base_dir, img_valid, work)
     return {
         "pretrain_final_loss": pre.steps[pretrain_steps]["train_loss"],

@@ -164,6 +164,14 @@ class Dataset:
         return len(self.offsets)
 
     def __getitem__(self, i: int) -> Sample:
+        ex, pixels_NCHW = self.example(i)
+        sample = self._sample(ex, pixels_NCHW)
+        if ex.rejected is not None:
+            sample.rejected = self._sample(ex.other(), pixels_NCHW)
+        return sample
+
+    def example(self, i: int) -> tuple[Example, torch.Tensor]:
+        """Example i as parsed, and its images' pixels [N, 3, size, size]."""
         self._f.seek(self.offsets[i])
         n = self.lines[i]
         ex, problems = parse_line(n, self._f.readline(MAX_LINE_BYTES + 1), MAX_LINE_BYTES)
@@ -176,11 +184,7 @@ class Dataset:
             except Exception as e:
                 raise DatasetError([Issue(n, f"images[{k}]", f"unreadable image: {e}")]) from e
         size = self.cache.size
-        pixels_NCHW = torch.stack(pixels) if pixels else torch.zeros(0, 3, size, size)
-        sample = self._sample(ex, pixels_NCHW)
-        if ex.rejected is not None:
-            sample.rejected = self._sample(ex.other(), pixels_NCHW)
-        return sample
+        return ex, torch.stack(pixels) if pixels else torch.zeros(0, 3, size, size)
 
     def _sample(self, ex: Example, pixels_NCHW: torch.Tensor) -> Sample:
         ids, target = encode_chat(self.tok, self.tpl, ex, self.image_tokens or 0)

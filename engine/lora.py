@@ -314,19 +314,30 @@ def lora_state(model: nn.Module, tensors: dict[str, torch.Tensor] | None = None)
     return out
 
 
+def peft_expert_factors(
+    state: dict[str, torch.Tensor], experts_path: str, names: list[str], experts: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """An experts module's factors out of PEFT's layout, popped from ``state``: {projection:
+    (A [E, r, in], B [E, out, r])}, ``names`` in the adapter's ``target_parameters`` order."""
+    out = {}
+    for i, p in enumerate(names):
+        key = _expert_keys(experts_path, names, i)
+        A, B = state.pop(f"{key}.lora_A.weight"), state.pop(f"{key}.lora_B.weight")
+        r = A.shape[0] // experts
+        out[p] = A.reshape(experts, r, A.shape[1]), B.reshape(B.shape[0], r, experts).permute(2, 0, 1)
+    return out
+
+
 def load_lora_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     modules = dict(model.named_modules())
     seen = set()
     state = dict(state)
     for name, module in modules.items():  # expert factors first, back from PEFT's layout
         if isinstance(module, ExpertsLoRA):
-            path = name.removesuffix(".lora")
-            for i, p in enumerate(module.names):
-                key = _expert_keys(path, module.names, i)
-                A, B = state.pop(f"{key}.lora_A.weight"), state.pop(f"{key}.lora_B.weight")
-                E, r, inp = getattr(module, f"{p}_A").shape
-                getattr(module, f"{p}_A").data.copy_(A.reshape(E, r, inp))
-                getattr(module, f"{p}_B").data.copy_(B.reshape(B.shape[0], r, E).permute(2, 0, 1))
+            E = getattr(module, f"{module.names[0]}_A").shape[0]
+            for p, (A, B) in peft_expert_factors(state, name.removesuffix(".lora"), module.names, E).items():
+                getattr(module, f"{p}_A").data.copy_(A)
+                getattr(module, f"{p}_B").data.copy_(B)
     for key, tensor in state.items():
         path, part = key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0], key.rsplit(".", 2)[1]
         module = modules.get(path)

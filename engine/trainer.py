@@ -20,6 +20,7 @@ import torch
 
 from engine.config import ModelConfig, count_parameters
 from engine.data import Dataset, ImageCache, epoch_batches, split
+from engine.inference.evaluate import exact_match
 from engine.memory import apply_swap_core
 from engine.model.registry import ensure_builtin, load_base, position_limit
 from engine.spec import Reporter, Store, TrainResult
@@ -41,7 +42,7 @@ def peak_memory_mb(device: torch.device) -> float:
 
 class Trainer:
     def __init__(self, spec: JobSpec, store: Store, reporter: Reporter, work: Path, mesh=None):
-        self.spec, self.store, self.reporter, self.work = spec, store, reporter, work
+        self.spec, self.store, self.reporter, self.work, self.mesh = spec, store, reporter, work, mesh
         self.ranks = ranks_for(mesh)
         self.objective = objective_for(spec)
         self.checkpointer = checkpointer_for(store, self.objective, self.ranks)
@@ -216,11 +217,27 @@ class Trainer:
             self.model, self.valid_set, self.valid_idx, self.hp.batch_size, self.tpl.pad_id, self.pack_to, self.ranks
         )
 
+    def final_evaluation(self, metrics: dict) -> dict:
+        """The finished model on the whole validation set, OpenAI's names (``full_valid_loss``,
+        ``full_valid_mean_token_accuracy``), and for a chat model in one process the share of
+        validation prompts it answers exactly as the reference does (``full_valid_exact_match``,
+        engine.inference.evaluate: greedy, with the decode cache)."""
+        if self.spec.method == "dpo":
+            return {}
+        out = {
+            "full_valid_loss": metrics["valid_loss"],
+            "full_valid_mean_token_accuracy": metrics["valid_mean_token_accuracy"],
+        }
+        if self.mesh is None:
+            out["full_valid_exact_match"] = exact_match(self.model, self.valid_set, self.valid_idx)
+        return out
+
     def checkpoint(self, metrics: dict) -> None:
         step = self.saved = self.step_no
         key = f"{self.spec.artifacts}/checkpoints/step-{step:07d}"
         self.checkpointer.save(key, self.model, self.opt, self.sched, step, self.tokens)
-        self.reporter.checkpoint(step, key, {k: v for k, v in metrics.items() if "loss" in k or "accuracy" in k})
+        kept = ("loss", "accuracy", "exact_match")
+        self.reporter.checkpoint(step, key, {k: v for k, v in metrics.items() if any(w in k for w in kept)})
 
     def run(self) -> TrainResult:
         self.setup()
@@ -240,6 +257,8 @@ class Trainer:
                 is_ckpt = step % self.hp.checkpoint_interval == 0 or step == self.hp.total_steps
                 if is_ckpt and self.valid_idx:
                     metrics.update(self.evaluate())
+                    if step == self.hp.total_steps:
+                        metrics.update(self.final_evaluation(metrics))
                 self.reporter.metrics(step, metrics)
                 if is_ckpt:
                     self.checkpoint(metrics)

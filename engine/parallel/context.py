@@ -32,6 +32,9 @@ import torch.distributed as dist
 
 from engine.model.common.layers import cu_seqlens, rows_end_to_end
 from engine.model.common.recompute import recomputing
+from kiln_kernels.conv import short_conv
+from kiln_kernels.dsa import indexer_topk
+from kiln_kernels.kda import kda_chunk
 
 IGNORE = -100
 
@@ -176,6 +179,27 @@ class ContextShard:
         if recomputing():
             return out
         return _StateOut.apply(final_state, out, self)
+
+    def conv(
+        self, x_1TC: torch.Tensor, weight_C1W: torch.Tensor, cu: torch.Tensor, head_norm: int, key
+    ) -> torch.Tensor:
+        """The short convolution of the slice, its first window reaching into the previous rank's
+        last tokens (``halo``)."""
+        n = weight_C1W.shape[-1] - 1
+        x, cu_halo = self.halo(x_1TC, n, key)
+        return short_conv(x, weight_C1W, cu_halo, head_norm)[:, n:]
+
+    def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key) -> torch.Tensor:
+        """The chunked delta rule from the previous rank's final state; this slice's last final
+        state goes on to the next rank."""
+        H, K, V = q.shape[2], q.shape[3], v.shape[3]
+        h0 = self.state_in(q, (H, K, V), len(cu) - 1, key)
+        o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+        return self.state_out(final[-1], o)
+
+    def topk(self, q_BTJD, k_BSD, w_BTJ, starts_BT: torch.Tensor, cu: torch.Tensor, cu_k: torch.Tensor, topk: int):
+        """The indexer's choice over ``key_rows``: the queries are the last of them."""
+        return indexer_topk(q_BTJD, k_BSD, w_BTJ, self.key_starts(starts_BT), topk)
 
     def key_rows(self, rows_TC: torch.Tensor, key) -> torch.Tensor:
         """The key rows every query of the slice may attend to, [S, C]: the whole sequence's rows

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.common.layers import RMSNorm, autocast_input, doc_starts
+from engine.model.common.layers import Past, RMSNorm, autocast_input, cu_seqlens, doc_starts
 from kiln_kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
 
 
@@ -108,11 +108,11 @@ class GatedDSAttention(nn.Module):
         x_BTD: torch.Tensor,
         positions_BT: torch.Tensor | None = None,
         doc_ids_BT: torch.Tensor | None = None,
-        cp=None,
+        past: Past | None = None,
     ) -> torch.Tensor:
-        """``cp`` (engine.parallel.context.ContextShard): x is one rank's slice of a sequence; the
-        keys (the latent rows, RoPE'd key dims and the indexer's keys, one gathered row a token)
-        come from every rank, the queries the last T of them."""
+        """``past`` (layers.Past): x's documents continue earlier tokens (another rank's, a
+        decode's earlier steps); the keys (the latent rows, RoPE'd key dims and the indexer's
+        keys, one row a token) are theirs and x's, each document's queries the last of its keys."""
         B, T, _ = x_BTD.shape
         x_BTD = autocast_input(x_BTD)
         pos = positions_BT if positions_BT is not None else torch.arange(T, device=x_BTD.device).expand(B, T)
@@ -129,16 +129,18 @@ class GatedDSAttention(nn.Module):
         index_q, index_k, index_w = self.indexer(
             x_BTD.detach(), q_resid.detach(), cos, sin
         )  # learns from its loss only
-        if cp is not None:
+        if past is None:
+            idx = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), starts, self.topk)
+        else:
+            assert B == 1  # a continuation is one row of documents
+            cu = cu_seqlens(doc_ids_BT) if doc_ids_BT is not None else torch.tensor([0, T])
             widths = [self.rank, self.rope, index_k.shape[-1]]
-            rows = cp.key_rows(
-                torch.cat([latent, k_rot.to(latent.dtype), index_k.to(latent.dtype)], -1)[0], (id(self), "kv")
-            )
+            rows = torch.cat([latent, k_rot.to(latent.dtype), index_k.to(latent.dtype)], -1)[0]
+            rows, cu_k = past.keys(rows, cu, (id(self), "kv"))
             latent, k_rot, index_k = rows[None].split(widths, -1)
             k_rot, index_k = k_rot.to(q_rot.dtype), index_k.to(index_q.dtype)
-            starts = cp.key_starts(starts)
+            idx = past.topk(index_q.detach(), index_k.detach(), index_w.detach(), starts, cu, cu_k, self.topk)
         S = latent.shape[1]
-        idx = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), starts, self.topk)
         scale = (self.nope + self.rope) ** -0.5
         # the indexer's target and KL loss only where it can learn from them (full training, or
         # LoRA on its projections): a frozen indexer's loss has no gradient at all

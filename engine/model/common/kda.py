@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.common.layers import GatedRMSNorm, autocast_input, f32
+from engine.model.common.layers import GatedRMSNorm, Past, autocast_input, f32
 from kiln_kernels.conv import short_conv
 from kiln_kernels.kda import kda_chunk, kda_gate
 
@@ -63,38 +63,37 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
 
-    def forward(self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, cp=None) -> torch.Tensor:
-        """``cp`` (context parallel, engine.parallel.context.ContextShard): x is one rank's slice of
-        a sequence; the convolutions read the previous rank's last tokens and the state comes from
-        the previous rank."""
+    def forward(
+        self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, past: Past | None = None
+    ) -> torch.Tensor:
+        """``past`` (``layers.Past``): the documents continue earlier tokens (another rank's under
+        context parallel, a decode's earlier steps): the convolutions read their last tokens and
+        the delta rule starts from their state."""
         B, T, _ = x_BTD.shape
         x_BTD = autocast_input(x_BTD)  # read by eight projections
         # q's channels, k's, v's convolved apart (no concatenated copy); q and k L2-normalised per
         # head in fp32 (fla's form), all three in the activations' dtype (bf16 under autocast: the
         # kernel's products on bf16 tensor cores); the state, the decay and every sum stay fp32
         filters = self.conv1d.weight.split(self.H * self.K)
-        halo = self.conv1d.weight.shape[-1] - 1
         qkv = []
         for name, proj, w, norm in zip(
             "qkv", (self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0), strict=True
         ):
             y = proj(x_BTD)
-            if cp is None:
+            if past is None:
                 y = short_conv(y, w, cu_seqlens, norm)
             else:
-                y, cu_halo = cp.halo(y, halo, (id(self), name))
-                y = short_conv(y, w, cu_halo, norm)[:, halo:]
+                assert cu_seqlens is not None  # a continuation always has its documents' offsets
+                y = past.conv(y, w, cu_seqlens, norm, (id(self), name))
             qkv.append(y.view(B, T, self.H, self.K))
         q, k, v = qkv
         g = self.forget_gate(x_BTD)
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
-        h0 = None
-        if cp is not None:
-            assert cu_seqlens is not None  # context parallel hands every layer the documents' offsets
-            h0 = cp.state_in(x_BTD, (self.H, self.K, self.K), len(cu_seqlens) - 1, (id(self), "S"))
-        o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens)
-        if cp is not None:
-            o = cp.state_out(final[-1], o)
+        if past is None:
+            o, _ = kda_chunk(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        else:
+            assert cu_seqlens is not None
+            o = past.delta_rule(q, k, v, g, beta, cu_seqlens, (id(self), "S"))
         gate = self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD))
         gate = gate.view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))

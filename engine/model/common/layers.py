@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +109,39 @@ def next_token_loss(
     return linear_cross_entropy(h, W, y, ignore_index)
 
 
+class Past(Protocol):
+    """Where the tokens before a forward's tokens live, for the three places a layer reads them:
+    ``engine.parallel.context.ContextShard`` (context parallel: earlier ranks hold them) and
+    ``engine.inference.cache.Cache`` (decoding: earlier steps left their states). The forward's
+    tokens are one row [1, T] of documents cut by ``cu`` (host offsets); each document continues
+    one that began before it, or starts afresh. ``key`` names the caller (a layer and what it
+    asks for) so that each layer's state stays its own."""
+
+    def conv(
+        self, x_1TC: torch.Tensor, weight_C1W: torch.Tensor, cu: torch.Tensor, head_norm: int, key
+    ) -> torch.Tensor:
+        """``kiln_kernels.conv.short_conv`` of x, each document's window reaching back into the
+        tokens before it."""
+        ...
+
+    def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key) -> torch.Tensor:
+        """``kiln_kernels.kda.kda_chunk``'s output, each document starting from the state its
+        earlier tokens left."""
+        ...
+
+    def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key rows each document's queries may attend to, [S, C] (its earlier rows, then
+        these), and their documents' host offsets ``cu_k``: the queries are the last of each
+        document's keys (kiln_kernels.attention's rule)."""
+        ...
+
+    def topk(self, q_BTJD, k_BSD, w_BTJ, starts_BT: torch.Tensor, cu: torch.Tensor, cu_k: torch.Tensor, topk: int):
+        """``kiln_kernels.dsa.indexer_topk`` over ``keys``' rows: each query's choice among the
+        keys of its own document up to itself, as indices into those rows. ``starts_BT``: each
+        query's document start in the forward's own row."""
+        ...
+
+
 class CausalLM:
     """The forward of a causal LM class that has ``hidden`` (the final norm's output) and
     ``lm_head``; put first among the bases (``class M(CausalLM, nn.Module)``)."""
@@ -122,14 +156,11 @@ class CausalLM:
         doc_ids_BT: torch.Tensor | None = None,
         positions_BT: torch.Tensor | None = None,
         labels_BT: torch.Tensor | None = None,
-        cp=None,
+        past: Past | None = None,
     ):
         """Logits [B, T, vocab]; with ``labels_BT`` instead, the mean next-token cross-entropy over the
-        targets and the count of argmax hits (``layers.next_token_loss``: no full logits). ``cp``:
-        a context-parallel rank's slice (engine.parallel.context), for the families whose
-        ``hidden`` takes one (``supports_context_parallel``)."""
-        if cp is not None and not getattr(self, "supports_context_parallel", False):
-            raise ValueError(f"{type(self).__name__} has no context-parallel form (parallel.cp_size must be 1)")
-        extra = {"cp": cp} if cp is not None else {}
-        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT, **extra)
+        targets and the count of argmax hits (``layers.next_token_loss``: no full logits). ``past``
+        (``Past``): the tokens are a continuation, a context-parallel rank's slice or the next
+        tokens of a decode."""
+        h = self.hidden(input_ids_BT, pixels_NCHW, doc_ids_BT, positions_BT, past)
         return self.lm_head(h) if labels_BT is None else next_token_loss(self.lm_head, h, labels_BT)

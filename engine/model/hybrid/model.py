@@ -16,7 +16,7 @@ from engine.config import ModelConfig
 from engine.model.common.attnres import AttnResQueries, Residuals
 from engine.model.common.dsa import GatedDSAttention
 from engine.model.common.kda import KimiDeltaAttention
-from engine.model.common.layers import CausalLM, RMSNorm, cu_seqlens, rows_end_to_end
+from engine.model.common.layers import CausalLM, Past, RMSNorm, cu_seqlens, rows_end_to_end
 from engine.model.common.moe import MLP, MoE
 from engine.model.common.vision import VisionTower
 
@@ -92,13 +92,13 @@ class HybridLayer(nn.Module):
         cu: torch.Tensor | None,
         positions_BT: torch.Tensor | None,
         doc_ids_BT: torch.Tensor | None,
-        cp=None,
+        past: Past | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``: attention, then the MLP, each reading its AttnRes site and adding its output
         to ``res``. Returns both outputs (FSDP's hooks need the block to return what it made).
-        ``cp``: a context-parallel rank's slice (engine.parallel.context)."""
+        ``past`` (layers.Past): the documents continue earlier tokens."""
         h = self.input_layernorm(res.input(2 * i))
-        a = self.self_attn(h, cu, cp) if self.kind == "kda" else self.self_attn(h, positions_BT, doc_ids_BT, cp)
+        a = self.self_attn(h, cu, past) if self.kind == "kda" else self.self_attn(h, positions_BT, doc_ids_BT, past)
         res.add(a)
         m = self.mlp(self.post_attention_layernorm(res.input(2 * i + 1)))
         res.add(m)
@@ -148,10 +148,10 @@ class HybridForCausalLM(CausalLM, nn.Module):
         pixels_NCHW: torch.Tensor | None = None,
         doc_ids_BT: torch.Tensor | None = None,
         positions_BT: torch.Tensor | None = None,
-        cp=None,
+        past: Past | None = None,
     ) -> torch.Tensor:
-        """The final norm's output [B, T, D]. ``cp``: the one row is a context-parallel rank's
-        slice of a sequence (engine.parallel.context; text only)."""
+        """The final norm's output [B, T, D]. ``past`` (layers.Past): the one row's documents
+        continue earlier tokens (a context-parallel rank's slice, text only; a decode step)."""
         B, T = input_ids_BT.shape
         if doc_ids_BT is not None and B > 1:  # rows end to end: one KDA state per document
             pos = positions_BT.reshape(1, B * T) if positions_BT is not None else None
@@ -169,5 +169,5 @@ class HybridForCausalLM(CausalLM, nn.Module):
         cu = cu_seqlens(doc_ids_BT) if doc_ids_BT is not None else None
         res = Residuals(x, self.attn_res, self.config.attn_res_block)
         for i, layer in enumerate(self.layers):
-            layer(res, i, cu, positions_BT, doc_ids_BT, cp)
+            layer(res, i, cu, positions_BT, doc_ids_BT, past)
         return self.norm(res.input(2 * len(self.layers)))

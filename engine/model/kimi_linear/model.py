@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from engine.model.common.kda import KimiDeltaAttention
-from engine.model.common.layers import CausalLM, RMSNorm, autocast_input, row_documents
+from engine.model.common.layers import CausalLM, Past, RMSNorm, autocast_input, row_documents
 from engine.model.common.moe import MLP, MoE
 from kiln_kernels.attention import varlen_attention
 
@@ -101,16 +101,17 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, self.H * (self.nope + self.v), bias=False)
         self.o_proj = nn.Linear(self.H * self.v, D, bias=False)
 
-    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor, cp=None) -> torch.Tensor:
+    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor, past: Past | None = None) -> torch.Tensor:
         """x: one sequence [1, T, D] (rows laid end to end); ``cu_seqlens``: its documents' host
-        offsets. ``cp``: x is one rank's slice; the keys are made from every rank's latent rows."""
+        offsets. ``past``: the documents continue earlier tokens, whose latent rows the keys are
+        made from too."""
         T = x_1TD.shape[1]
         x_1TD = autocast_input(x_1TD)
         q = self.q_proj(x_1TD).view(T, self.H, -1)
         latent, k_shared = self.kv_a_proj_with_mqa(x_1TD).split([self.rank, self.rope], -1)
         latent, cu_k = self.kv_a_layernorm(latent), None
-        if cp is not None:  # MLA's compressed row, rank + rope wide: the small thing to gather
-            rows, cu_k = cp.keys(torch.cat([latent, k_shared.to(latent.dtype)], -1)[0], cu_seqlens, (id(self), "kv"))
+        if past is not None:  # MLA's compressed row, rank + rope wide: the small thing to keep or gather
+            rows, cu_k = past.keys(torch.cat([latent, k_shared.to(latent.dtype)], -1)[0], cu_seqlens, (id(self), "kv"))
             latent, k_shared = rows[None].split([self.rank, self.rope], -1)
         S = latent.shape[1]
         kv = self.kv_b_proj(latent).view(S, self.H, -1)
@@ -149,8 +150,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor, cp=None) -> torch.Tensor:
-        x = x_1TD + self.self_attn(self.input_layernorm(x_1TD), cu_seqlens, cp)
+    def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor, past: Past | None = None) -> torch.Tensor:
+        x = x_1TD + self.self_attn(self.input_layernorm(x_1TD), cu_seqlens, past)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -177,18 +178,18 @@ class KimiLinearForCausalLM(CausalLM, nn.Module):
         pixels_NCHW: torch.Tensor | None = None,
         doc_ids_BT: torch.Tensor | None = None,
         positions_BT: torch.Tensor | None = None,
-        cp=None,
+        past: Past | None = None,
     ) -> torch.Tensor:
         """The final norm's output [B, T, D]. The rows are laid end to end as one sequence, cut
         into documents: the rows, or with ``doc_ids_BT`` (packed rows) every document, each
         starting afresh (a KDA state and a convolution per document, attention inside it). No
-        positions: KDA carries order and the MLA layers use none (NoPE). ``cp``
-        (engine.parallel.context.ContextShard): the one row is this rank's slice of a sequence."""
+        positions: KDA carries order and the MLA layers use none (NoPE). ``past`` (layers.Past):
+        the documents continue earlier tokens (a context-parallel rank's slice, a decode step)."""
         if pixels_NCHW is not None and pixels_NCHW.numel():
             raise ValueError("Kimi Linear takes no image input")
         B, T = input_ids_BT.shape
         cu = row_documents(doc_ids_BT, B, T)
         x = self.model.embed_tokens(input_ids_BT.reshape(1, B * T))
         for layer in self.model.layers:
-            x = layer(x, cu, cp)
+            x = layer(x, cu, past)
         return self.model.norm(x).view(B, T, -1)

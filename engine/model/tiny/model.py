@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.common.layers import CausalLM, RMSNorm, autocast_input, row_documents
+from engine.model.common.layers import CausalLM, Past, RMSNorm, autocast_input, row_documents
 from engine.model.common.vision import VisionTower
 from kiln.tokenizer import ByteTokenizer
 from kiln_kernels.attention import varlen_attention
@@ -60,8 +60,12 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
         self.v_proj, self.o_proj = nn.Linear(D, D, bias=False), nn.Linear(D, D, bias=False)
 
-    def forward(self, x_BTD: torch.Tensor, cu: torch.Tensor, positions_BT: torch.Tensor | None) -> torch.Tensor:
-        """Causal attention inside each document of the rows laid end to end (``cu``: host offsets)."""
+    def forward(
+        self, x_BTD: torch.Tensor, cu: torch.Tensor, positions_BT: torch.Tensor | None, past: Past | None = None
+    ) -> torch.Tensor:
+        """Causal attention inside each document of the rows laid end to end (``cu``: host offsets).
+        ``past`` (layers.Past): the documents continue earlier tokens, whose keys and values
+        (RoPE'd at their own positions) it keeps."""
         B, T, D = x_BTD.shape
         x_BTD = autocast_input(x_BTD)
 
@@ -71,7 +75,11 @@ class Attention(nn.Module):
         q, k, v = heads(self.q_proj(x_BTD)), heads(self.k_proj(x_BTD)), heads(self.v_proj(x_BTD))
         q, k = rope(q, self.theta, positions_BT), rope(k, self.theta, positions_BT)
         q, k, v = (t.transpose(1, 2).reshape(B * T, self.H, D // self.H) for t in (q, k, v))
-        return self.o_proj(varlen_attention(q, k, v, cu).reshape(B, T, D))
+        cu_k = None
+        if past is not None:
+            rows, cu_k = past.keys(torch.cat([k, v], -1).flatten(1), cu, (id(self), "kv"))
+            k, v = rows.view(-1, self.H, 2 * (D // self.H)).chunk(2, -1)
+        return self.o_proj(varlen_attention(q, k, v, cu, cu_k).reshape(B, T, D))
 
 
 class MLP(nn.Module):
@@ -93,8 +101,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: torch.Tensor, cu: torch.Tensor, positions_BT: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cu, positions_BT)
+    def forward(
+        self, x: torch.Tensor, cu: torch.Tensor, positions_BT: torch.Tensor | None, past: Past | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cu, positions_BT, past)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -122,10 +132,11 @@ class TinyForCausalLM(CausalLM, nn.Module):
         pixels_NCHW: torch.Tensor | None = None,
         doc_ids_BT: torch.Tensor | None = None,
         positions_BT: torch.Tensor | None = None,
+        past: Past | None = None,
     ) -> torch.Tensor:
         """The final norm's output [B, T, D]. Each image fills the next run of image tokens. With
-        ``doc_ids_BT``
-        (packed rows) a token attends only to earlier tokens of its own document."""
+        ``doc_ids_BT`` (packed rows) a token attends only to earlier tokens of its own document;
+        ``past`` (layers.Past): the documents continue earlier tokens (a decode step)."""
         x = self.model.embed_tokens(input_ids_BT)
         B, T = input_ids_BT.shape
         cu = row_documents(doc_ids_BT, B, T)
@@ -138,7 +149,7 @@ class TinyForCausalLM(CausalLM, nn.Module):
             img = self.model.multi_modal_projector(self.model.vision_tower(pixels_NCHW.to(x.dtype)))
             x = x.masked_scatter(slots.unsqueeze(-1), img.reshape(-1, x.shape[-1]).to(x.dtype))
         for layer in self.model.layers:
-            x = layer(x, cu, positions_BT)
+            x = layer(x, cu, positions_BT, past)
         return self.model.norm(x)
 
 

@@ -1,0 +1,275 @@
+"""Decoding speed: Kiln's incremental decoder (engine.inference: the KDA state, the short
+convolutions' tails and MLA's compressed latent rows kept; an adapter served unmerged) against
+transformers' ``generate()`` with the same adapter through PEFT, on a Kimi Linear checkpoint.
+
+    python3 -m bench.decode                 # the H200: Kimi-Linear-48B's layer shapes (bench.e2e.SHAPE)
+    python3 -m bench.decode --device cpu    # the CPU: a tiny Kimi Linear (bench.e2e.TINY)
+
+The checkpoint is transformers' ``KimiLinearForCausalLM`` with random weights (5 layers: KDA x3,
+MLA, KDA), saved by transformers and loaded by both sides from that folder. The adapter: LoRA rank
+16 on q/k/v/o, the MLPs' and every expert's projections, every factor random (B too), saved by
+Kiln in PEFT's layout; PEFT loads it onto transformers' model, Kiln serves it beside the base.
+
+Each row: ``batch`` prompts of ``prompt`` random tokens, ``new`` tokens each, greedy, no early end.
+``prefill_s``: to the first token; decode tokens/s: ``batch * (new - 1)`` over the time after it.
+Memory per sequence: the decode state a sequence holds after its prompt and answer (Kiln: the
+cache's tensors, counted; transformers: the tensors of ``past_key_values``, counted), and its
+KDA layers' part, which does not grow with the length. Both sides in bf16 on CUDA (Kiln: bf16
+weights under bf16 autocast, as its trainer), fp32 on the CPU.
+
+Writes bench/results/decode.json: ``{"device", "date", "rows": [{"batch", "prompt", "new",
+"kiln_tokens_per_s", "hf_tokens_per_s", "ratio", "kiln_prefill_s", "hf_prefill_s",
+"kiln_state_mib_per_seq", "hf_state_mib_per_seq", "kiln_kda_state_mib_per_seq"}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.e2e import EXPERTS, SHAPE, TARGETS, TINY
+
+RESULTS = Path(__file__).resolve().parent / "results" / "decode.json"
+
+
+def build(folder: Path, shape: dict, device: torch.device) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.set_default_dtype(dtype)
+    with device:
+        model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**shape))
+    torch.set_default_dtype(torch.float32)
+    with torch.no_grad():  # weights that matter (transformers' init leaves some at zero)
+        for name, p in model.named_parameters():
+            if "norm" not in name and "A_log" not in name and "dt_bias" not in name:
+                p.normal_(0, 0.02)
+    model.save_pretrained(folder)
+
+
+def make_adapter(ckpt: Path, folder: Path) -> None:
+    from engine.lora import apply_lora, save_adapter
+    from engine.model.registry import load_base
+    from kiln.spec import LoraSpec
+
+    model = load_base(ckpt)
+    spec = LoraSpec(rank=16, alpha=32.0, target_modules=TARGETS, target_parameters=EXPERTS)
+    apply_lora(model, spec)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    save_adapter(model, spec, "bench", folder)
+
+
+def tensor_bytes(obj: Any, seen: set | None = None) -> int:
+    """The bytes of every tensor reachable from obj (lists, tuples, dicts, attributes)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__"):
+        return sum(tensor_bytes(v, seen) for v in vars(obj).values())
+    return 0
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def kiln_server(ckpt: Path, adapter: Path, device: torch.device):
+    from engine.inference import Batcher
+
+    b = Batcher(ckpt, device=device)  # the server's model, the adapter beside it
+    b.add_adapter("bench", adapter)
+    return b
+
+
+def kiln(b, device: torch.device, batch: int, prompt: int, new: int) -> dict:
+    from engine.inference import Decoder, Prompt, Sampling
+
+    dec = Decoder(b.model, b.tok, b.tpl, batch)  # driven here, without the server's thread
+    dec.ends = set()
+    g = torch.Generator().manual_seed(prompt)
+    vocab = b.model.config.vocab_size
+    prompts = [
+        Prompt(torch.randint(3, vocab, (prompt,), generator=g).tolist(), None, "bench", Sampling(new, temperature=0))
+        for _ in range(batch)
+    ]
+    dec.prefill(prompts[:1])  # warm-up: compiles, autotuning
+    while dec.running:
+        dec.step()
+    sync(device)
+    t0 = time.perf_counter()
+    dec.prefill(prompts)
+    sync(device)
+    t1 = time.perf_counter()
+    while len(dec.running) == batch and all(len(c.ids) < new - 1 for c in dec.running):
+        dec.step()
+    kept = {k: t for k, t in dec.cache.kept.items()}
+    lengths = [dec.cache.length[c.slot] for c in dec.running]
+    while dec.running:
+        dec.step()
+    sync(device)
+    t2 = time.perf_counter()
+    per_seq = kda = 0
+    for (_, what), t in kept.items():
+        row = t[0].numel() * t.element_size()
+        if what == "kv":  # key rows: only the ones a sequence fills (prompt + answer)
+            row = row // t.shape[1] * (max(lengths) + 1)
+        else:
+            kda += row
+        per_seq += row
+    return {
+        "kiln_tokens_per_s": batch * (new - 1) / (t2 - t1),
+        "kiln_prefill_s": t1 - t0,
+        "kiln_state_mib_per_seq": per_seq / 2**20,
+        "kiln_kda_state_mib_per_seq": kda / 2**20,
+    }
+
+
+def profile(b, device: torch.device, batch: int, prompt: int, steps: int = 5) -> None:
+    """Kiln's decode steps under the torch profiler: the ops by host time and by device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as run
+
+    from engine.inference import Decoder, Prompt, Sampling
+
+    dec = Decoder(b.model, b.tok, b.tpl, batch)
+    dec.ends = set()
+    g = torch.Generator().manual_seed(prompt)
+    vocab = b.model.config.vocab_size
+    dec.prefill(
+        [
+            Prompt(torch.randint(3, vocab, (prompt,), generator=g).tolist(), None, "bench", Sampling(64, temperature=0))
+            for _ in range(batch)
+        ]
+    )
+    for _ in range(3):
+        dec.step()
+    sync(device)
+    with run(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            dec.step()
+        sync(device)
+        wall = (time.perf_counter() - t0) / steps
+    print(f"profile: batch {batch} prompt {prompt}: {wall * 1e3:.1f} ms a step", flush=True)
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    print(table.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+
+
+def hf_model(ckpt: Path, adapter: Path, device: torch.device):
+    import peft
+    import transformers
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = transformers.KimiLinearForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device)  # type: ignore[arg-type]
+    return peft.PeftModel.from_pretrained(base, adapter).eval()
+
+
+def hf(model, device: torch.device, batch: int, prompt: int, new: int) -> dict:
+    g = torch.Generator().manual_seed(prompt)
+    ids = torch.randint(
+        3, SHAPE["vocab_size"] if device.type == "cuda" else TINY["vocab_size"], (batch, prompt), generator=g
+    )
+    ids = ids.to(device)
+
+    def run(n: int):
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+            )
+
+    run(2)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    run(1)
+    sync(device)
+    t1 = time.perf_counter()
+    out = run(new)
+    sync(device)
+    t2 = time.perf_counter()
+    prefill = t1 - t0
+    state = tensor_bytes(out.past_key_values) / batch
+    return {
+        "hf_tokens_per_s": batch * (new - 1) / (t2 - t1 - prefill),
+        "hf_prefill_s": prefill,
+        "hf_state_mib_per_seq": state / 2**20,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--new", type=int, default=None, help="tokens per answer (default 64 on CUDA, 16 on the CPU)")
+    p.add_argument("--ckpt", type=Path, default=None)
+    p.add_argument("--sizes", default="1x512,8x512,1x4096,8x4096", help="batch x prompt, comma-separated")
+    p.add_argument("--profile", action="store_true", help="profile Kiln's decode steps (batch 8, prompt 512) and stop")
+    a = p.parse_args()
+    device = torch.device(a.device)
+    new = a.new or (64 if device.type == "cuda" else 16)
+    shape = SHAPE if device.type == "cuda" else TINY
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = a.ckpt or Path(tmp) / "ckpt"
+        if not (ckpt / "config.json").exists():
+            build(ckpt, shape, device)
+        adapter = Path(tmp) / "adapter"
+        make_adapter(ckpt, adapter)
+        sizes = [tuple(int(x) for x in size.split("x")) for size in a.sizes.split(",")]
+        rows: list[dict[str, Any]] = [{"batch": b, "prompt": n, "new": new} for b, n in sizes]
+        server = kiln_server(ckpt, adapter, device)
+        if a.profile:
+            profile(server, device, 8, 512)
+            return
+        for row in rows:
+            row.update(kiln(server, device, row["batch"], row["prompt"], new))
+        server.close()
+        del server
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        model = hf_model(ckpt, adapter, device)
+        for row in rows:
+            row.update(hf(model, device, row["batch"], row["prompt"], new))
+            row["ratio"] = row["kiln_tokens_per_s"] / row["hf_tokens_per_s"]
+            print(
+                f"batch {row['batch']} prompt {row['prompt']}: Kiln {row['kiln_tokens_per_s']:.1f} tok/s,"
+                f" transformers + PEFT {row['hf_tokens_per_s']:.1f} tok/s ({row['ratio']:.2f}x); prefill"
+                f" {row['kiln_prefill_s']:.2f} s vs {row['hf_prefill_s']:.2f} s; state per sequence"
+                f" {row['kiln_state_mib_per_seq']:.2f} MiB (KDA {row['kiln_kda_state_mib_per_seq']:.2f}) vs"
+                f" {row['hf_state_mib_per_seq']:.2f} MiB",
+                flush=True,
+            )
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    out = {"device": name, "date": datetime.date.today().isoformat(), "rows": rows}
+    RESULTS.parent.mkdir(exist_ok=True)
+    prev = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    runs = {r["device"]: r for r in prev.get("runs", [])} | {name: out}
+    RESULTS.write_text(json.dumps({"runs": list(runs.values())}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Many LoRA adapters on one base model, none merged: each adapter's factors sit beside the base
+weights they adapt, and each forward says which rows are whose (``routes``), so requests to
+different adapters of one base share its weights and one batch.
+
+``Adapters.add`` reads a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``, the
+layout engine.lora saves) and puts a ``ServedLinear`` in place of each linear layer it targets
+(once: later adapters add their factors to the same layer) and a ``ServedExperts`` around each
+experts module whose grouped weights it targets. Both are the identity on the base's output for
+rows of no adapter (the base model itself).
+
+Each forward says which of its documents are whose (``Routing``); a served layer finds its rows'
+spans by their count: the forward's tokens, or full attention's key rows (``key_layout``). A
+layer that sees another number of rows (an image encoder's patches) is not served, and says so.
+
+Legend: M rows, D in, O out, r rank, E experts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from engine.lora import PEFT_PREFIX, peft_expert_factors
+from engine.model.common.moe import Experts
+
+Route = tuple[str, int, int]
+
+
+class Routing:
+    """Whose rows are whose in one forward: document d of the forward belongs to ``adapters[d]``
+    (None: the base). A layer sees the documents' tokens as rows (``cu``), or under full
+    attention their key rows (earlier tokens too: ``keys`` adds that layout when the cache
+    makes it; when all documents are fresh the two are the same)."""
+
+    def __init__(self, adapters: list[str | None], cu: list[int]):
+        self.adapters = adapters
+        self.layouts = {cu[-1]: cu}
+
+    def keys(self, cu_k: list[int]) -> None:
+        self.layouts.setdefault(cu_k[-1], cu_k)
+
+    def spans(self, rows: int, who: str) -> list[Route]:
+        """The adapters' row spans of a layer that sees ``rows`` rows, those of one adapter merged."""
+        if not any(self.adapters):
+            return []
+        cu = self.layouts.get(rows)
+        if cu is None:
+            raise ValueError(f"{who}: {rows} rows, not the forward's tokens nor its keys ({sorted(self.layouts)})")
+        out: list[Route] = []
+        for a, start, end in zip(self.adapters, cu, cu[1:], strict=False):
+            if a is None or start == end:
+                continue
+            if out and out[-1][0] == a and out[-1][2] == start:
+                out[-1] = (a, out[-1][1], end)
+            else:
+                out.append((a, start, end))
+        return out
+
+
+_routing: ContextVar[Routing | None] = ContextVar("routing", default=None)
+
+
+@contextmanager
+def routes(routing: Routing) -> Iterator[None]:
+    """For the block: the forward's rows belong to adapters as ``routing`` says."""
+    token = _routing.set(routing)
+    try:
+        yield
+    finally:
+        _routing.reset(token)
+
+
+def key_layout(cu_k: torch.Tensor) -> None:
+    """The forward's key rows are cut into its documents by ``cu_k`` (engine.inference.cache)."""
+    r = _routing.get()
+    if r is not None:
+        r.keys(cu_k.tolist())
+
+
+def _active(rows: int, who: str) -> list[Route]:
+    r = _routing.get()
+    return r.spans(rows, who) if r is not None else []
+
+
+class ServedLinear(nn.Module):
+    """A frozen linear layer plus named LoRA factors: y = W x, and for an adapter's rows
+    + scaling * B (A x)."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base = base
+        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for name, a, b in _active(x2.shape[0], "a served linear layer"):
+            f = self.factors.get(name)
+            if f is None:
+                continue
+            A, B, s = f
+            low = (x2[a:b].to(A.dtype) @ A.t()) @ B.t() * s
+            y2[a:b] += low.to(y2.dtype)
+        return y
+
+    def effective_weight(self) -> torch.Tensor | None:
+        """The layer as one matrix (a module that reads it, as DSA's absorbed attention does):
+        the base's, unless an adapter of this layer is in the forward (then None: the rows
+        differ, and the module calls the layer instead)."""
+        r = _routing.get()
+        if r is not None and any(a in self.factors for a in r.adapters if a is not None):
+            return None
+        return self.base.weight
+
+
+class _Factors:
+    """What ``Experts.grouped`` reads of an adapter: ``factors()`` and ``scaling``."""
+
+    def __init__(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float):
+        self._f, self.scaling = factors, scaling
+
+    def factors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return self._f
+
+
+class ServedExperts(nn.Module):
+    """An experts module whose adapters' rows run through it apart, each with its factors."""
+
+    def __init__(self, experts: Experts):
+        super().__init__()
+        self.inner = experts
+        self.factors: dict[str, _Factors] = {}
+
+    def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        N = x_ND.shape[0]
+        spans = [r for r in _active(N, "a served experts module") if r[0] in self.factors]
+        if not spans:
+            return self.inner(x_ND, idx_NK, w_NK)
+        pieces, at = [], 0  # the base's rows between the adapters' spans, each span with its factors
+        for name, a, b in [*spans, ("", N, N)]:
+            if at < a:
+                pieces.append(self.inner(x_ND[at:a], idx_NK[at:a], w_NK[at:a]))
+            if name:
+                setattr(self.inner, "lora", self.factors[name])  # noqa: B010  (what Experts.grouped reads)
+                try:
+                    pieces.append(self.inner(x_ND[a:b], idx_NK[a:b], w_NK[a:b]))
+                finally:
+                    delattr(self.inner, "lora")
+            at = b
+        return torch.cat(pieces)
+
+
+class Adapters:
+    """The adapters served on ``model`` (a base model, its weights never changed)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.names: set[str] = set()
+
+    def add(self, name: str, folder: Path) -> None:
+        """Serve the PEFT adapter in ``folder`` as ``name`` (again: nothing to do)."""
+        if name in self.names:
+            return
+        config = json.loads((Path(folder) / "adapter_config.json").read_text())
+        state = load_file(str(Path(folder) / "adapter_model.safetensors"))
+        scaling = float(config["lora_alpha"]) / float(config["r"])
+        device = next(self.model.parameters()).device
+        names = [t.rsplit(".", 1)[-1] for t in config.get("target_parameters") or []]
+        modules = dict(self.model.named_modules())
+        linears: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        if names:
+            for path, m in modules.items():
+                inner = m.inner if isinstance(m, ServedExperts) else m
+                if path.endswith("mlp.experts") and isinstance(inner, Experts):
+                    E = inner.gate_up_proj.shape[0]
+                    experts[path] = peft_expert_factors(state, path, names, E)
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in state.items():
+            path, part = key.removeprefix(PEFT_PREFIX).rsplit(".", 2)[:2]
+            if part not in ("lora_A", "lora_B"):
+                raise ValueError(f"adapter {name}: key {key} is not a LoRA factor")
+            pairs.setdefault(path, {})[part] = t
+        for path, p in pairs.items():
+            m = modules.get(path)
+            base = m.base if isinstance(m, ServedLinear) else m
+            if not isinstance(base, nn.Linear) or set(p) != {"lora_A", "lora_B"}:
+                raise ValueError(f"adapter {name}: {path} is not a linear layer of the base model")
+            A, B = p["lora_A"], p["lora_B"]
+            if A.shape[1] != base.in_features or B.shape[0] != base.out_features:
+                raise ValueError(f"adapter {name}: {path}'s factors do not fit the base model's layer")
+            linears[path] = A, B
+        # every check passed: only now does the model change
+        dt = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
+
+        def put(t: torch.Tensor) -> torch.Tensor:  # PEFT's expert layout comes as a permuted view
+            return t.to(device, dt).contiguous()
+
+        for path, (A, B) in linears.items():
+            self._served(path, ServedLinear).factors[name] = (put(A), put(B), scaling)
+        for path, f in experts.items():
+            self._served(path, ServedExperts).factors[name] = _Factors(
+                {k: (put(A), put(B)) for k, (A, B) in f.items()}, scaling
+            )
+        self.names.add(name)
+
+    def _served(self, path: str, kind):
+        parent_path, _, child = path.rpartition(".")
+        parent = self.model.get_submodule(parent_path)
+        m = getattr(parent, child)
+        if not isinstance(m, kind):
+            m = kind(m)
+            setattr(parent, child, m)
+        return m
+
+    def remove(self, name: str) -> None:
+        for m in self.model.modules():
+            if isinstance(m, (ServedLinear, ServedExperts)):
+                m.factors.pop(name, None)
+        self.names.discard(name)

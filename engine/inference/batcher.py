@@ -1,0 +1,177 @@
+"""One base model served to many requests (``Batcher``): its weights loaded once, any number of
+LoRA adapters beside them (``adapters.Adapters``), and one thread that decodes every running
+request together (continuous batching: a new request joins at the next step; a finished one
+frees its slots at once).
+
+    b = Batcher(model_dir); b.add_adapter("ft:...", folder); b.start()
+    ids, pixels = b.encode(example)          # the chat up to the open assistant turn
+    for chunk in b.submit(ids, pixels, "ft:...", Sampling(max_tokens=64)):
+        print(chunk.index, chunk.text, chunk.finish_reason)
+
+On CUDA the frozen weights are kept in bf16 and the forward runs under bf16 autocast, as
+training's does (the LoRA factors, norms and gates stay fp32); on the CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.inference.adapters import Adapters
+from engine.inference.decode import Chunk, Decoder, Prompt, Sampling, encode_prompt, pixels_of
+from engine.lora import store_frozen
+from engine.model.registry import load_base, position_limit
+from kiln.dataset import Example
+from kiln.tokenizer import chat_template, load_tokenizer
+
+MAX_N = 8  # choices per request; a request's choices all fit in one batch
+
+
+class Handle:
+    """A submitted request: iterate for its chunks (blocks; ends when every choice finished)."""
+
+    def __init__(self, batcher: Batcher, prompt: Prompt):
+        self._batcher, self.prompt = batcher, prompt
+        self.prompt_tokens = len(prompt.ids)
+        self.completion_tokens = 0
+        self._chunks: queue.Queue[Chunk | Exception | None] = queue.Queue()
+        self._open = prompt.sampling.n
+
+    def _put(self, chunk: Chunk | Exception) -> None:
+        self._chunks.put(chunk)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        while self._open:
+            c = self._chunks.get()
+            if c is None:  # cancelled: no more chunks
+                return
+            if isinstance(c, Exception):
+                raise c
+            if c.finish_reason is not None:
+                self._open -= 1
+            yield c
+
+    def cancel(self) -> None:
+        """Stop the request: its slots are freed at the next step, and iterating ends."""
+        self._batcher._cancel(self)
+        self._chunks.put(None)
+
+
+class Batcher:
+    def __init__(self, model_dir: Path, device: str | torch.device | None = None, max_batch: int = 8):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = load_base(Path(model_dir)).eval()
+        model.to(self.device)
+        if self.device.type == "cuda":
+            store_frozen(model, torch.bfloat16)
+        self.model = model
+        self.tok = load_tokenizer(Path(model_dir))
+        self.tpl = chat_template(self.tok)
+        self.image_tokens: int | None = (
+            getattr(model, "image_tokens", None) if getattr(model, "image_size", 0) else None
+        )
+        self.context_limit = position_limit(model)
+        self.adapters = Adapters(model)
+        self.max_batch = max(max_batch, MAX_N)
+        self._handles: dict[int, Handle] = {}
+        self.decoder = Decoder(model, self.tok, self.tpl, self.max_batch, self._emit)
+        self._inbox: queue.Queue[Handle] = queue.Queue()
+        self._cancelled: queue.Queue[Handle] = queue.Queue()
+        self._lock = threading.Lock()  # adapters change between steps, never during one
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add_adapter(self, name: str, folder: Path) -> None:
+        with self._lock:
+            self.adapters.add(name, folder)
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self.adapters.names
+
+    def encode(self, example: Example) -> tuple[list[int], torch.Tensor | None]:
+        """The prompt's ids through the open assistant turn, and its images' pixels."""
+        if not example.messages:
+            raise ValueError("messages: at least one message is needed")
+        if example.messages[-1].role == "assistant":
+            raise ValueError("messages: the last message is the assistant's; the model answers a user or system turn")
+        if example.images and not self.image_tokens:
+            raise ValueError("this model takes no image input (text only)")
+        ids = encode_prompt(self.tok, self.tpl, example.messages, self.image_tokens or 0)
+        return ids, pixels_of(example.images, getattr(self.model, "image_size", 0))
+
+    def submit(self, ids: list[int], pixels: torch.Tensor | None, adapter: str | None, sampling: Sampling) -> Handle:
+        if not 1 <= sampling.n <= MAX_N:
+            raise ValueError(f"n: {sampling.n} choices; between 1 and {MAX_N}")
+        if sampling.max_tokens < 1:
+            raise ValueError("max_tokens: at least 1")
+        if self.context_limit is not None and len(ids) + sampling.max_tokens > self.context_limit:
+            raise ValueError(
+                f"max_tokens: the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} exceed the"
+                f" model's context of {self.context_limit} tokens"
+            )
+        if adapter is not None and adapter not in self.adapters.names:
+            raise ValueError(f"adapter {adapter} is not loaded")
+        h = Handle(self, Prompt(ids, pixels, adapter, sampling))
+        h.prompt.emit = h
+        self._inbox.put(h)
+        if self._thread is None:  # no loop thread: the caller's iteration drives nothing, so run one
+            self.start()
+        return h
+
+    def _emit(self, prompt: Prompt, chunk: Chunk) -> None:
+        h = prompt.emit
+        assert isinstance(h, Handle)
+        h.completion_tokens += chunk.tokens
+        h._put(chunk)
+
+    def _cancel(self, h: Handle) -> None:
+        self._cancelled.put(h)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kiln-decode", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        waiting: list[Handle] = []
+        admit: list[Handle] = []
+        while not self._stop.is_set():
+            try:
+                block = not waiting and not self.decoder.running
+                waiting.append(self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            while True:
+                try:
+                    h = self._cancelled.get_nowait()
+                except queue.Empty:
+                    break
+                waiting = [w for w in waiting if w is not h]
+                self.decoder.cancel(h.prompt)
+            try:
+                with self._lock:
+                    admit, free = [], len(self.decoder.free)
+                    while waiting and waiting[0].prompt.sampling.n <= free:  # first come, first served
+                        free -= waiting[0].prompt.sampling.n
+                        admit.append(waiting.pop(0))
+                    if admit:
+                        self.decoder.prefill([h.prompt for h in admit])
+                    else:
+                        self.decoder.step()
+            except Exception as e:  # a failed forward fails its requests, not the server
+                for owner in {id(c.prompt): c.prompt.emit for c in self.decoder.running}.values():
+                    assert isinstance(owner, Handle)
+                    owner._put(e)
+                for waiter in admit:
+                    waiter._put(e)
+                for c in list(self.decoder.running):
+                    self.decoder.cancel(c.prompt)

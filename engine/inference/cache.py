@@ -1,0 +1,166 @@
+"""The decode cache: what each layer keeps of a sequence's tokens so that the next tokens need no
+recompute of the earlier ones (``layers.Past``, the same three places context parallel fills):
+
+- KDA's short convolutions: the last W - 1 inputs of q, k and v ([slots, W - 1, C]);
+- KDA's state: one [H, K, V] fp32 matrix per head, whatever the length (the reason these models
+  decode in constant memory per token);
+- full attention's key rows: MLA's and DSA's compressed row (kv_lora_rank + rope dims, and DSA's
+  index key), kiln-tiny's keys and values, one row a token ([slots, capacity, C], doubled as
+  sequences grow).
+
+A forward's tokens are one row of documents, document d the next tokens of the sequence in slot
+``slots[d]``, after the ``past[d]`` tokens that slot holds (0: a fresh sequence, whose kept state
+is ignored). ``begin`` names them, ``advance`` counts them in once the forward is done.
+
+Legend: N documents of the forward, T tokens, C channels, S key rows, W the filter's width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.inference.adapters import key_layout
+from kiln_kernels.conv import short_conv
+from kiln_kernels.conv.reference import EPS as CONV_EPS
+from kiln_kernels.dsa import indexer_topk
+from kiln_kernels.kda import kda_chunk, kda_recurrent
+
+
+def conv_step(window_NWC: torch.Tensor, weight_C1W: torch.Tensor, head_norm: int) -> torch.Tensor:
+    """kiln_kernels.conv's definition at one token a sequence, from its window of the last W
+    inputs [N, W, C]: the sum in fp32, SiLU, the result in autocast's dtype (the conv's), then
+    q's and k's L2 norm per head in fp32."""
+    dev = window_NWC.device.type
+    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else window_NWC.dtype
+    up = torch.promote_types(window_NWC.dtype, torch.float32)
+    y = F.silu(torch.einsum("nwc,cw->nc", window_NWC.to(up), weight_C1W[:, 0].to(up))).to(dt)
+    if not head_norm:
+        return y
+    v = y.unflatten(-1, (-1, head_norm)).to(up)
+    return (v * torch.rsqrt((v * v).sum(-1, keepdim=True) + CONV_EPS)).flatten(-2).to(dt)
+
+
+class Cache:
+    """Every layer's kept state for ``slots`` sequences on ``device`` (a ``layers.Past``)."""
+
+    def __init__(self, slots: int, device: torch.device | str = "cpu"):
+        self.slots_total, self.device = slots, torch.device(device)
+        self.length = [0] * slots  # tokens each slot holds
+        self.kept: dict = {}  # (layer id, what) -> tensor [slots, ...]
+        self.slots: list[int] = []
+        self.past: list[int] = []
+        self.new: list[int] = []
+
+    def begin(self, slots: list[int], new: list[int]) -> torch.Tensor:
+        """The next forward: ``new[d]`` tokens for slot ``slots[d]``; returns their positions [1, T]
+        (each slot's token count so far onwards: RoPE's positions)."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a slot appears twice in one forward: {slots}")
+        self.slots, self.new = list(slots), list(new)
+        self.past = [self.length[s] for s in slots]
+        # one copy to the device a forward (each is a wait for the device: never one a layer)
+        both = torch.tensor([slots, [p == 0 for p in self.past]]).to(self.device)
+        self.index, self.fresh = both[0], both[1].bool()
+        return torch.cat([torch.arange(p, p + n) for p, n in zip(self.past, new, strict=True)])[None]
+
+    def advance(self) -> None:
+        for s, n in zip(self.slots, self.new, strict=True):
+            self.length[s] += n
+
+    def free(self, slot: int) -> None:
+        self.length[slot] = 0
+
+    def copy(self, src: int, dst: list[int]) -> None:
+        """Slots ``dst`` continue as ``src`` does (the n choices of one prompt share its prefill)."""
+        for t in self.kept.values():
+            t[dst] = t[src].clone()
+        for s in dst:
+            self.length[s] = self.length[src]
+
+    def _stepping(self) -> bool:
+        """Every document one token that follows earlier ones: the batched one-step forms."""
+        return all(n == 1 for n in self.new) and all(self.past)
+
+    def _tensor(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = self.kept.get(key)
+        if t is None or t.shape[1:] != shape or t.dtype != dtype:
+            t = self.kept[key] = torch.zeros(self.slots_total, *shape, dtype=dtype, device=self.device)
+        return t
+
+    def conv(
+        self, x_1TC: torch.Tensor, weight_C1W: torch.Tensor, cu: torch.Tensor, head_norm: int, key
+    ) -> torch.Tensor:
+        W, C = weight_C1W.shape[-1], x_1TC.shape[-1]
+        tail = self._tensor(key, (W - 1, C), x_1TC.dtype)
+        idx = self.index
+        before = torch.where(
+            self.fresh[:, None, None], 0, tail[idx]
+        )  # [N, W - 1, C]: a fresh sequence has zeros before it
+        if self._stepping():  # one window of W a sequence: the definition, batched
+            window = torch.cat([before, x_1TC[0, :, None]], 1)
+            tail[idx] = window[:, 1:]
+            return conv_step(window, weight_C1W, head_norm)[None]
+        bounds = cu.tolist()
+        parts, keep = [], []
+        for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            parts.append(torch.cat([before[d], x_1TC[0, a:b]]))
+            keep.append(torch.arange(b - a) + a + (W - 1) * (d + 1))
+        ext = torch.cat(parts)[None]
+        lengths = torch.tensor([len(p) for p in parts])
+        y = short_conv(ext, weight_C1W, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]), head_norm)
+        tail[idx] = torch.stack([p[-(W - 1) :] for p in parts])
+        return y[:, torch.cat(keep).to(y.device)]
+
+    def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key) -> torch.Tensor:
+        H, K, V = q.shape[2], q.shape[3], v.shape[3]
+        state = self._tensor(key, (H, K, V), torch.promote_types(v.dtype, torch.float32))
+        idx = self.index
+        h0 = torch.where(self.fresh[:, None, None, None], 0, state[idx])
+        if self._stepping():  # one token each: the recurrence itself, N sequences as a batch
+            N = len(self.slots)
+            q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v, g, beta))  # [N, 1, ...]
+            o, final = kda_recurrent(q, k, v, g, beta, initial_state=h0)
+            o = o.view(1, N, H, V)
+        else:
+            o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+        state[idx] = final.to(state.dtype)
+        return o
+
+    def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept in autocast's dtype when autocast is on (MLA's fp32 latent, from its norm, only
+        ever enters kv_b_proj's matmul, which casts it anyway): half the memory, the same sums."""
+        dev = rows_TC.device.type
+        if torch.is_autocast_enabled(dev) and rows_TC.dtype == torch.float32:
+            rows_TC = rows_TC.to(torch.get_autocast_dtype(dev))
+        C = rows_TC.shape[-1]
+        need = max(p + n for p, n in zip(self.past, self.new, strict=True))
+        kept = self.kept.get(key)
+        if kept is None or kept.shape[1] < need or kept.dtype != rows_TC.dtype:
+            cap = max(64, 1 << (need - 1).bit_length())
+            grown = torch.zeros(self.slots_total, cap, C, dtype=rows_TC.dtype, device=self.device)
+            if kept is not None and kept.dtype == rows_TC.dtype:
+                grown[:, : kept.shape[1]] = kept
+            kept = self.kept[key] = grown
+        bounds = cu.tolist()
+        out = []
+        for s, p, a, b in zip(self.slots, self.past, bounds, bounds[1:], strict=False):
+            kept[s, p : p + b - a] = rows_TC[a:b]
+            out.append(kept[s, : p + b - a])
+        lengths = torch.tensor([p + n for p, n in zip(self.past, self.new, strict=True)])
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        key_layout(cu_k)
+        return torch.cat(out), cu_k
+
+    def topk(self, q_BTJD, k_BSD, w_BTJ, starts_BT: torch.Tensor, cu: torch.Tensor, cu_k: torch.Tensor, topk: int):
+        """Each document's choice among its own keys (the queries its last ones), as indices into
+        every document's keys laid end to end; -1 pads a document that has fewer keys."""
+        a, b = cu.tolist(), cu_k.tolist()
+        parts = []
+        for d in range(len(a) - 1):
+            q, w = q_BTJD[:, a[d] : a[d + 1]], w_BTJ[:, a[d] : a[d + 1]]
+            starts = torch.zeros(1, a[d + 1] - a[d], dtype=torch.long, device=q.device)
+            idx = indexer_topk(q, k_BSD[:, b[d] : b[d + 1]], w, starts, topk)
+            parts.append(torch.where(idx >= 0, idx + b[d], -1))
+        width = max(p.shape[-1] for p in parts)
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts], 1)

@@ -1,0 +1,289 @@
+"""Incremental decoding (engine.inference) equals the full forward: every generated position's
+logits against a fresh forward of the whole sequence, for each built-in family, several prompts
+of different lengths in one batch (and images for the families that take them); adapters served
+side by side equal each adapter's model alone; sampling, stop strings and lengths behave."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from engine.inference import Batcher, Decoder, Prompt, Sampling
+from engine.inference.adapters import Adapters
+from engine.inference.decode import encode_prompt, pixels_of
+from engine.lora import apply_lora, save_adapter
+from engine.model.registry import ensure_builtin, load_base
+from kiln.dataset import Example, Message
+from kiln.spec import LoraSpec
+from kiln.tokenizer import chat_template, load_tokenizer
+
+FAMILIES = ["kiln-tiny", "kimi-linear-tiny", "kiln-hybrid-tiny"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    for name in FAMILIES:
+        ensure_builtin(name, root / name)
+    return root
+
+
+def png(seed: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    arr = (torch.rand(20, 20, 3, generator=g) * 255).to(torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class Recorder(Decoder):
+    """A decoder that keeps, per prompt and choice, the logits each token was drawn from and the token."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.seen: dict[tuple[int, int], list[tuple[torch.Tensor, int]]] = {}
+
+    def _take(self, choices, logits):
+        super()._take(choices, logits)
+        for c, row in zip(choices, logits, strict=True):
+            self.seen.setdefault((id(c.prompt), c.index), []).append((row, c.ids[-1]))
+
+
+def run_all(dec: Decoder, prompts: list[Prompt]) -> None:
+    dec.prefill(prompts)
+    while dec.running:
+        dec.step()
+
+
+def prompts_for(model, tok, tpl, images: bool, sampling: Sampling) -> list[Prompt]:
+    chats: list[tuple[list[Message], list[str]]] = [
+        ([Message("user", "Hello there, who are you?")], []),
+        ([Message("system", "Be brief."), Message("user", "What is 2 + 2? Answer with a number")], []),
+        ([Message("user", "x")], []),
+    ]
+    if images:
+        chats.append(([Message("user", "What is in <image> and <image>?")], [png(1), png(2)]))
+    out = []
+    for msgs, imgs in chats:
+        ids = encode_prompt(tok, tpl, msgs, getattr(model, "image_tokens", 0) or 0 if imgs else 0)
+        out.append(Prompt(ids, pixels_of(imgs, model.image_size) if imgs else None, None, sampling))
+    return out
+
+
+def full_logits(model, ids: list[int], pixels) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids]), pixels.double() if pixels is not None else None)[0]
+
+
+def setup(models, name):
+    model = load_base(models / name).double().eval()
+    tok = load_tokenizer(models / name)
+    return model, tok, chat_template(tok)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_incremental_decode_equals_the_full_forward(models, name):
+    model, tok, tpl = setup(models, name)
+    dec = Recorder(model, tok, tpl, slots=8)
+    dec.ends = set()  # every sequence runs to max_tokens: a random model may end its turn at once
+    prompts = prompts_for(model, tok, tpl, name != "kimi-linear-tiny", Sampling(max_tokens=10, seed=5, n=2))
+    prompts = prompts[:1] + [
+        Prompt(p.ids, p.pixels, None, Sampling(max_tokens=10, seed=k)) for k, p in enumerate(prompts[1:])
+    ]
+    run_all(dec, prompts)
+    assert sorted(dec.free) == list(range(8))  # every slot back
+    for p in prompts:
+        for i in range(p.sampling.n):
+            rows = dec.seen[(id(p), i)]
+            assert len(rows) == 10
+            tokens = [t for _, t in rows]
+            want = full_logits(model, p.ids + tokens[:-1], p.pixels)[len(p.ids) - 1 :]
+            got = torch.stack([r for r, _ in rows])
+            rel = float((got - want).norm() / want.norm())
+            assert rel < 1e-10, (name, i, rel)
+    two = [[t for _, t in dec.seen[(id(prompts[0]), i)]] for i in range(2)]
+    assert two[0] != two[1]  # n choices draw apart
+
+
+def test_a_prompt_joins_sequences_already_decoding(models):
+    """Continuous batching: a prompt prefilled while others are mid-way decodes as if alone."""
+    model, tok, tpl = setup(models, "kimi-linear-tiny")
+    dec = Recorder(model, tok, tpl, slots=4)
+    dec.ends = set()
+    a, b, c = prompts_for(model, tok, tpl, False, Sampling(max_tokens=8, seed=1))
+    dec.prefill([a, b])
+    for _ in range(3):
+        dec.step()
+    dec.prefill([c])
+    while dec.running:
+        dec.step()
+    for p in (a, b, c):
+        rows = dec.seen[(id(p), 0)]
+        tokens = [t for _, t in rows]
+        want = full_logits(model, p.ids + tokens[:-1], None)[len(p.ids) - 1 :]
+        got = torch.stack([r for r, _ in rows])
+        assert float((got - want).norm() / want.norm()) < 1e-10
+
+
+def random_adapter(models, name: str, folder, seed: int, spec: LoraSpec) -> torch.nn.Module:
+    """A trained-looking adapter (every factor random, B too), saved in PEFT's layout; returns the
+    model with it applied (unmerged: the LoRA layers themselves)."""
+    model = load_base(models / name).double()
+    apply_lora(model, spec)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora" in n:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.05)
+    save_adapter(model, spec, name, folder)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["kiln-tiny", "kimi-linear-tiny", "kiln-hybrid-tiny"])
+def test_adapters_served_side_by_side_equal_each_model_alone(models, tmp_path, name):
+    """One batch: the base and two adapters (on different layers; the MoE families' on their
+    experts too) each equal the model that has that adapter alone."""
+    experts = [] if name == "kiln-tiny" else ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    specs = [
+        LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"], target_parameters=experts),
+        LoraSpec(
+            rank=2, alpha=2.0, target_modules=["o_proj", "up_proj"] + ([] if name == "kiln-tiny" else ["kv_b_proj"])
+        ),
+    ]
+    alone = [load_base(models / name).double().eval()]
+    for k, spec in enumerate(specs):
+        alone.append(random_adapter(models, name, tmp_path / f"a{k}", 10 + k, spec))
+    model, tok, tpl = setup(models, name)
+    served = Adapters(model)
+    served.add("a0", tmp_path / "a0")
+    served.add("a1", tmp_path / "a1")
+    served.add("a1", tmp_path / "a1")  # again: nothing to do
+    dec = Recorder(model, tok, tpl, slots=8)
+    dec.ends = set()
+    base = prompts_for(model, tok, tpl, False, Sampling(max_tokens=6, temperature=0))
+    prompts = [Prompt(p.ids, None, adapter, p.sampling) for p in base for adapter in ("a1", None, "a0")]
+    run_all(dec, prompts[:8])
+    for p in prompts[:8]:
+        ref = alone[{None: 0, "a0": 1, "a1": 2}[p.adapter]]
+        rows = dec.seen[(id(p), 0)]
+        tokens = [t for _, t in rows]
+        want = full_logits(ref, p.ids + tokens[:-1], None)[len(p.ids) - 1 :]
+        got = torch.stack([r for r, _ in rows])
+        assert float((got - want).norm() / want.norm()) < 1e-10, p.adapter
+    # the adapters differ from the base and each other on the same prompt
+    first = {p.adapter: dec.seen[(id(p), 0)][0][0] for p in prompts[:3]}
+    assert not torch.allclose(first["a0"], first[None]) and not torch.allclose(first["a1"], first[None])
+
+
+def test_an_adapter_that_does_not_fit_is_refused_and_changes_nothing(models, tmp_path):
+    random_adapter(models, "kiln-tiny", tmp_path / "tiny", 1, LoraSpec(rank=2, target_modules=["q_proj"]))
+    model, _, _ = setup(models, "kimi-linear-tiny")
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="adapter x"):
+        Adapters(model).add("x", tmp_path / "tiny")
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert not any("Served" in type(m).__name__ for m in model.modules())
+
+
+def test_sampling_stop_strings_seed_and_length(models):
+    """Through the threaded Batcher: a seed repeats a draw, a stop string cuts the text before it,
+    max_tokens ends with 'length' after exactly that many tokens."""
+    b = Batcher(models / "kiln-tiny", device="cpu", max_batch=8)
+    try:
+        ex = Example(0, [Message("user", "Tell me a story")], [])
+        ids, pixels = b.encode(ex)
+
+        def text(s: Sampling):
+            h = b.submit(ids, pixels, None, s)
+            out = [""] * s.n
+            reasons = [None] * s.n
+            for c in h:
+                out[c.index] += c.text
+                if c.finish_reason:
+                    reasons[c.index] = c.finish_reason
+            return out, reasons, h
+
+        one, r1, h1 = text(Sampling(max_tokens=20, seed=7, n=2))
+        two, _, _ = text(Sampling(max_tokens=20, seed=7, n=2))
+        assert one == two and one[0] != one[1]
+        if r1[0] == "length":
+            assert h1.completion_tokens >= 20
+        probe = one[0]
+        assert len(probe) > 3
+        stop = probe[2:4]
+        cut, reasons, _ = text(Sampling(max_tokens=20, seed=7, stop=(stop,)))
+        assert cut[0] == probe[: probe.index(stop)] and reasons[0] == "stop"
+        b.decoder.ends = set()
+        _, reasons, h = text(Sampling(max_tokens=5, seed=3))
+        assert reasons == ["length"] and h.completion_tokens == 5
+        h = b.submit(ids, pixels, None, Sampling(max_tokens=1000, seed=1))
+        next(iter(h))
+        h.cancel()
+        assert len(list(h)) < 1000  # iterating ends: the request was stopped
+        with pytest.raises(ValueError, match="n: 9"):
+            b.submit(ids, None, None, Sampling(max_tokens=5, n=9))
+        with pytest.raises(ValueError, match="context of 2048"):
+            b.submit(ids, None, None, Sampling(max_tokens=2048))
+        with pytest.raises(ValueError, match="not loaded"):
+            b.submit(ids, None, "nope", Sampling(max_tokens=2))
+    finally:
+        b.close()
+
+
+def test_a_finished_job_reports_the_exact_match_of_its_answers(tmp_path):
+    """The trainer's final evaluation (engine.inference.evaluate): kiln-tiny learns one answer; of
+    two validation examples asking the same, the one whose reference is that answer counts, the
+    other does not; OpenAI's full_valid_* metrics come with it, at the last step and its checkpoint."""
+    import json
+
+    import engine
+    from engine.reporting import RecordingReporter
+    from kiln.spec import JobSpec
+    from kiln.store import LocalStore
+
+    def chat(answer: str) -> str:
+        msgs = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": answer}]
+        return json.dumps({"messages": msgs}) + "\n"
+
+    (tmp_path / "train.jsonl").write_text(chat("4") * 8)
+    (tmp_path / "valid.jsonl").write_text(chat("4") + chat("5"))
+    spec = JobSpec(
+        job_id="ftjob-eval",
+        model="kiln-tiny",
+        training_file=str(tmp_path / "train.jsonl"),
+        validation_file=str(tmp_path / "valid.jsonl"),
+        n_epochs=60,
+        batch_size=8,
+        learning_rate_multiplier=10.0,
+        seed=3,
+        checkpoint_interval=100,
+        lora=LoraSpec(rank=8, alpha=16),
+    )
+    rec = RecordingReporter()
+    engine.train(spec, LocalStore(tmp_path / "store"), rec)
+    final = rec.steps[max(rec.steps)]
+    assert final["full_valid_exact_match"] == 0.5
+    assert final["full_valid_loss"] == final["valid_loss"] > 0
+    assert 0 < final["full_valid_mean_token_accuracy"] <= 1
+    assert not any("full_valid" in k for s, m in rec.steps.items() if s != max(rec.steps) for k in m)
+
+
+def test_the_image_placeholder_is_never_drawn(models):
+    """It stands for pixels an answer does not have: even as the best logit, another token is taken."""
+    from engine.inference.decode import Choice
+
+    model, tok, tpl = setup(models, "kiln-tiny")
+    assert tpl.image_id is not None
+    dec = Decoder(model, tok, tpl, 2)
+    logits = torch.zeros(2, model.config.vocab_size, dtype=torch.float64)
+    logits[:, tpl.image_id] = 50.0
+    logits[:, 65] = 1.0
+    p = Prompt([1], None, None, Sampling(max_tokens=4, temperature=0))
+    q = Prompt([1], None, None, Sampling(max_tokens=4, temperature=1.0, seed=0))
+    choices = [Choice(p, 0, 0, torch.Generator()), Choice(q, 0, 1, torch.Generator().manual_seed(0))]
+    dec._take(choices, logits)
+    assert choices[0].ids == [65] and choices[1].ids[0] != tpl.image_id
