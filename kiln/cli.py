@@ -4,6 +4,7 @@
     kiln jobs                               kiln watch ftjob-…          kiln logs ftjob-… [--follow]
     kiln cancel ftjob-…                     kiln pause ftjob-…          kiln resume ftjob-…
     kiln checkpoints ftjob-…                kiln download ftjob-… [-o adapter.zip] [--checkpoint ftckpt_…]
+    kiln export ft:… [-o merged.zip] [--no-wait]   (the adapter merged into the base, made on a worker)
     kiln keys list|create [--name N]|revoke key_…
     kiln validate train.jsonl [--images images.zip]   (local: no server needed)
 
@@ -14,7 +15,7 @@
 Server and key from --base-url/--api-key or KILN_BASE_URL/KILN_API_KEY. ``--json`` prints JSON
 Lines, one object a line, instead of text (``--watch`` adds a line per event). These three go
 before or after the subcommand. ``kiln COMMAND --help`` describes each command's options. Exit
-status: 0 ok, 1 job failed or cancelled (or ``validate`` found problems), 2 error.
+status: 0 ok, 1 job failed or cancelled (or an export failed, or ``validate`` found problems), 2 error.
 """
 
 from __future__ import annotations
@@ -137,6 +138,11 @@ def _parser() -> argparse.ArgumentParser:
     dl.add_argument("job_id", help="the job's id (ftjob-…)")
     dl.add_argument("-o", "--output", help="where to save it (default: JOB_ID.zip, or JOB_ID-CHECKPOINT.zip)")
     dl.add_argument("--checkpoint", help="a checkpoint's id (ftckpt_…) instead of the final adapter")
+
+    ex = command(sub, "export", "merge a fine-tuned model's adapter into its base (on a worker) and download the zip")
+    ex.add_argument("model", help="the fine-tuned model (ft:…; kiln jobs shows it)")
+    ex.add_argument("-o", "--output", help="where to save it (default: MODEL-merged.zip, odd characters as _)")
+    ex.add_argument("--no-wait", action="store_true", help="start the export and print its state; download later")
 
     keys = command(sub, "keys", "your API keys")
     ksub = keys.add_subparsers(dest="keys_cmd", required=True, metavar="ACTION")
@@ -321,6 +327,8 @@ def run(argv: list[str] | None = None) -> int:
         elif args.cmd == "download":
             path = c.adapters.download(args.job_id, args.output, checkpoint=args.checkpoint)
             out({"path": str(path), "bytes": path.stat().st_size}, f"saved {path} ({path.stat().st_size} bytes)")
+        elif args.cmd == "export":
+            return _export(c, args, out)
         elif args.cmd == "checkpoints":
             cks = c.jobs.checkpoints(args.job_id)
             out(
@@ -359,6 +367,23 @@ def _watch(c: Client, job_id: str, out: Out) -> int:
         )
     out(job, f"{job.id}  {job.status}  {job.fine_tuned_model or (job.error.message if job.error else '')}")
     return 0 if job.status == "succeeded" else 1
+
+
+def _export(c: Client, args, out: Out) -> int:
+    export = c.exports.create(args.model) if args.no_wait else c.exports.wait(args.model)
+    if export.status == "failed":
+        out(export, f"{export.id}  failed  {export.error.message if export.error else ''}".rstrip())
+        return 1
+    if args.no_wait:
+        out(export, f"{export.id}  {export.status}  (kiln export {args.model} waits for it and downloads it)")
+        return 0
+    path = c.exports.download(args.model, args.output)
+    size = path.stat().st_size
+    out(
+        {**export.model_dump(), "path": str(path)},
+        f"saved {path} ({size} bytes): {export.model_type} model, {'/'.join(export.dtypes)}",
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@
     job = client.jobs.create("kiln-tiny", f.id, hyperparameters={"n_epochs": 3})
     job = client.jobs.wait(job.id, progress=True)
     client.adapters.download(job.id, "adapter.zip")
+    client.exports.download(job.fine_tuned_model, "merged.zip")   # the adapter merged into the base
 
 Connection errors, 408, 429 and 5xx answers are retried with exponential backoff (a POST keeps
 one Idempotency-Key across its retries, so it is never applied twice); other errors raise the
@@ -25,11 +26,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from kiln.errors import APIConnectionError, from_response
+from kiln.errors import APIConnectionError, KilnError, from_response
+from kiln.exports import Export
 from kiln.spec import Hyperparameters, JobRequest, LoraSpec, explain
 from kiln.types import ApiKeyInfo, Checkpoint, FileObject, Job, JobEvent, Model
 
@@ -81,7 +84,7 @@ class Client:
         self.max_retries, self.backoff = max_retries, backoff
         self._http = http_client or httpx.Client(timeout=timeout)
         self.files, self.jobs, self.adapters = Files(self), Jobs(self), Adapters(self)
-        self.models, self.keys = Models(self), Keys(self)
+        self.models, self.keys, self.exports = Models(self), Keys(self), Exports(self)
 
     def close(self) -> None:
         self._http.close()
@@ -349,6 +352,53 @@ class Models:
 
     def list(self) -> list[Model]:
         return [Model(**m) for m in self._c._json("GET", "/v1/models")["data"]]
+
+
+class Exports:
+    """A fine-tuned model's merged export: its base with the adapter folded into the weights, in
+    the family's layout (safetensors), made on a worker and downloaded as a zip."""
+
+    def __init__(self, client: Client):
+        self._c = client
+
+    @staticmethod
+    def _path(model: str) -> str:
+        return f"/v1/models/{quote(model, safe=':@')}/export"
+
+    def create(self, model: str) -> Export:
+        """Start the export (a worker merges), or get the one already made or under way."""
+        return Export(**self._c._json("POST", self._path(model)))
+
+    def get(self, model: str) -> Export:
+        return Export(**self._c._json("GET", self._path(model)))
+
+    def wait(self, model: str, *, interval: float = 2.0, timeout: float | None = None) -> Export:
+        """Start the export if it is not under way, then poll every ``interval`` seconds until
+        it has succeeded or failed (``TimeoutError`` after ``timeout`` seconds)."""
+        export = self.create(model)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not export.done:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the export of {model} is still {export.status} after {timeout} s")
+            time.sleep(interval)
+            export = self.get(model)
+        return export
+
+    def download(self, model: str, path: str | Path | None = None, *, timeout: float | None = None) -> Path:
+        """Wait for the export (started if need be) and save its zip; a failed export raises
+        ``KilnError`` with its error. Written to a temp name first, so an interrupted download
+        never looks complete."""
+        export = self.wait(model, timeout=timeout)
+        if export.status != "succeeded":
+            reason = export.error.message if export.error else "no reason given"
+            raise KilnError(f"the export of {model} failed: {reason}")
+        dest = Path(path or "".join(c if c.isalnum() or c in "-_." else "_" for c in model) + "-merged.zip")
+        tmp = dest.with_name(dest.name + ".part")
+        with self._c.stream("GET", self._path(model) + "/content") as resp, open(tmp, "wb") as f:
+            for chunk in resp.iter_bytes(1 << 20):
+                f.write(chunk)
+        tmp.replace(dest)
+        return dest
 
 
 class Keys:

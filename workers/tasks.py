@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from api import webhooks
+from api.exports import EXPORT_TASK
 from api.queue import RUN_TASK, WEBHOOK_TASK
 from workers.celery_app import app
 
@@ -18,3 +19,11 @@ def run_finetune(job_id: str) -> str:
 def deliver_webhook(delivery_id: str) -> str:
     """On the webhook queue (api/webhooks.py), which its own worker consumes: never behind training."""
     return webhooks.deliver(delivery_id)
+
+
+@app.task(name=EXPORT_TASK)
+def export_model(job_id: str) -> str:
+    """On the training queue: the merge loads the whole model, as training does (api/exports.py)."""
+    from workers.exports import run_export
+
+    return run_export(job_id)
