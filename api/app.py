@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 
 from api import errors, openapi
 from api.errors import responses
-from api.routes import adapters, events, files, jobs, keys, models, webhooks
+from api.routes import adapters, chat, events, files, jobs, keys, models, webhooks
 
 
 def _end_streams_on_exit() -> None:
@@ -50,7 +50,16 @@ def create_app() -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
-    routers = (files.router, jobs.router, events.router, adapters.router, models.router, keys.router, webhooks.router)
+    routers = (
+        files.router,
+        jobs.router,
+        events.router,
+        adapters.router,
+        models.router,
+        keys.router,
+        webhooks.router,
+        chat.router,
+    )
     for r in routers:
         app.include_router(r, responses=responses(401, 429))
     openapi.install(app)

@@ -15,8 +15,10 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.chat import ChatRequest
 from kiln.spec import JobRequest, SpecError, explain
 from kiln.types import ErrorResponse
 
@@ -95,7 +97,10 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-BODIES = {("POST", "/v1/fine_tuning/jobs"): JobRequest}  # for "did you mean" on an unknown field
+BODIES: dict[tuple[str, str], type[BaseModel]] = {  # for "did you mean" on an unknown field
+    ("POST", "/v1/fine_tuning/jobs"): JobRequest,
+    ("POST", "/v1/chat/completions"): ChatRequest,
+}
 
 
 def install(app: FastAPI) -> None:
@@ -130,6 +135,7 @@ _MEANING = {
     413: "The upload is larger than the limit",
     415: "The upload is not multipart/form-data",
     429: "Rate limit reached; retry after the Retry-After header's seconds",
+    503: "The inference server is not reachable; retry later",
     507: "The store is out of space",
 }
 

@@ -6,6 +6,7 @@ import hashlib
 import json
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -14,13 +15,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api import catalog, lifecycle, queue
-from api.datasets import check_dataset, open_source, raise_if_bad
+from api.datasets import check_dataset, image_problem, open_source, raise_if_bad
 from api.errors import Conflict, Invalid, not_found
 from api.estimate import estimate
 from api.models import TERMINAL_STATES, Checkpoint, File, IdempotencyRecord, Job, JobEvent, now
 from api.settings import Settings
 from kiln.catalog import CARDS, ModelCard
-from kiln.dataset import LengthBound, Report, method_takes
+from kiln.chat import ChatRequest, ImagePart
+from kiln.dataset import LengthBound, Report, decode_data_url, method_takes, parse_prompt
 from kiln.spec import JobRequest, resolve
 from kiln.store import LocalStore
 
@@ -209,6 +211,32 @@ def check_model(model: str, param: str = "model") -> ModelCard:
     return CARDS[model]
 
 
+def find_fine_tune(session: Session, owner: str, model: str) -> tuple[Job, Checkpoint | None, bool] | None:
+    """The owner's job a fine-tuned model's name points at, the checkpoint it names, and whether
+    it names the job's final model. A checkpoint's id (``ftckpt_...``) or name
+    (``ft:...:ckpt-step-N``): that checkpoint (None when the job has no such step). ``ft:...``
+    (the job's ``fine_tuned_model``, or a running job's ``ft:<model>:<owner>::<job id>``): its
+    last checkpoint (None when it has none yet). None: no such job of this owner (another
+    owner's is not found either)."""
+    if model.startswith("ftckpt_"):
+        found = session.execute(
+            select(Checkpoint, Job)
+            .join(Job, Job.id == Checkpoint.job_id)
+            .where(Checkpoint.id == model, Job.owner == owner)
+        ).first()
+        return None if found is None else (found[1], found[0], False)
+    name, _, step = model.partition(":ckpt-step-")
+    named = (Job.fine_tuned_model == name) | (Job.id == name.rsplit(":", 1)[-1])  # or a running job's
+    job = session.scalar(select(Job).where(Job.owner == owner, named))
+    if job is None:
+        return None
+    if step and not step.isdigit():
+        return job, None, False
+    query = select(Checkpoint).where(Checkpoint.job_id == job.id)
+    query = query.where(Checkpoint.step == int(step)) if step else query.order_by(Checkpoint.step.desc())
+    return job, session.scalar(query.limit(1)), not step
+
+
 def start_point(session: Session, owner: str, model: str) -> tuple[ModelCard, dict[str, Any] | None]:
     """The base model a job trains, and where it starts when ``model`` is one of the owner's
     fine-tunes: ``ft:...`` (its final adapter, a fresh optimizer) or a checkpoint, by id
@@ -216,42 +244,92 @@ def start_point(session: Session, owner: str, model: str) -> tuple[ModelCard, di
     continues exactly as the earlier one would have). Another owner's is not found."""
     if model in CARDS or not model.startswith(("ft:", "ftckpt_")):
         return check_model(model), None
-    parent: Job | None
-    ckpt: Checkpoint | None
-    if model.startswith("ftckpt_"):
-        found = session.execute(
-            select(Checkpoint, Job)
-            .join(Job, Job.id == Checkpoint.job_id)
-            .where(Checkpoint.id == model, Job.owner == owner)
-        ).first()
-        if found is None:
-            raise not_found("model", model, param="model")
-        ckpt, parent = found.tuple()
-    else:
-        name, _, step = model.partition(":ckpt-step-")
-        named = (Job.fine_tuned_model == name) | (Job.id == name.rsplit(":", 1)[-1])  # or a running job's
-        parent = session.scalar(select(Job).where(Job.owner == owner, named))
-        if parent is None or (not step and parent.status != "succeeded"):
-            raise not_found("model", model, param="model")
-        query = select(Checkpoint).where(Checkpoint.job_id == parent.id)
-        query = query.where(Checkpoint.step == int(step)) if step.isdigit() else query.order_by(Checkpoint.step.desc())
-        ckpt = session.scalar(query.limit(1))
-        if ckpt is None:
-            raise not_found("model", model, param="model")
-        if not step:  # the final adapter: its weights only
-            return CARDS[parent.model], {
-                "model": model,
-                "job": parent.id,
-                "adapter": ckpt.store_key,
-                "lora": parent.lora,
-            }
-    return CARDS[parent.model], {
-        "model": model,
-        "job": parent.id,
-        "checkpoint": ckpt.store_key,
-        "step": ckpt.step,
-        "lora": parent.lora,
-    }
+    found = find_fine_tune(session, owner, model)
+    parent, ckpt, final = found or (None, None, False)
+    if parent is None or ckpt is None or (final and parent.status != "succeeded"):
+        raise not_found("model", model, param="model")
+    start: dict[str, Any] = {"model": model, "job": parent.id, "lora": parent.lora}
+    if final:  # the final adapter: its weights only
+        return CARDS[parent.model], {**start, "adapter": ckpt.store_key}
+    return CARDS[parent.model], {**start, "checkpoint": ckpt.store_key, "step": ckpt.step}
+
+
+@dataclass(frozen=True)
+class ChatModel:
+    """What answers a chat request: a base model, and the adapter on it (the store key of a
+    checkpoint folder in the PEFT layout; None: the base model alone)."""
+
+    card: ModelCard
+    adapter: str | None
+
+
+def chat_model(session: Session, owner: str, model: str) -> ChatModel:
+    """A chat request's model: a base model of the catalog, or one of the owner's fine-tuned
+    models or checkpoints. Another owner's or an unknown ``ft:`` name is a 404; a fine-tune whose
+    job has not succeeded (it has no final adapter yet) a 409; any other name a 400 listing the
+    models."""
+    if model in CARDS:
+        return ChatModel(CARDS[model], None)
+    if not model.startswith(("ft:", "ftckpt_")):
+        raise Invalid(
+            f"model: {model!r} is not a model; models: {', '.join(CARDS)}, and your fine-tuned models "
+            "(ft:..., as GET /v1/models lists them) and their checkpoints",
+            param="model",
+            code="model_not_found",
+        )
+    found = find_fine_tune(session, owner, model)
+    if found is None:
+        raise not_found("model", model, param="model")
+    job, ckpt, final = found
+    if final and job.status != "succeeded":
+        raise Conflict(
+            f"model: {model} is the model of job {job.id}, which is {job.status}: it answers once the job has "
+            "succeeded (its checkpoints, ...:ckpt-step-N, answer as soon as they are saved)",
+            code="model_not_ready",
+            param="model",
+        )
+    if ckpt is None:
+        raise not_found("model", model, param="model")
+    return ChatModel(CARDS[job.model], ckpt.store_key)
+
+
+def check_chat(req: ChatRequest, card: ModelCard, max_pixels: int) -> None:
+    """What the API checks of a chat request before the inference server sees it (the server
+    alone counts the prompt's tokens: a prompt plus max_tokens over the position limit is its
+    400): the messages as a prompt (kiln.dataset.parse_prompt), images on a text-only model and
+    images that do not decode (or have more than ``max_pixels``), a max_tokens that alone leaves
+    no room in the position limit, stream_options without stream."""
+    req.check_stream_options()
+    limit, param = req.completion_limit()
+    example, issues = parse_prompt([m.model_dump(exclude_none=True) for m in req.messages])
+    if example is None:
+        text = "; ".join(f"{i.field}: {i.message}" for i in issues[:5])
+        raise Invalid(text, param=issues[0].field, code="invalid_messages")
+    model = card.name if req.model == card.name else f"{req.model} (on {card.name})"
+    images = [
+        (f"messages[{i}].content[{j}]", part.image_url.url)
+        for i, m in enumerate(req.messages)
+        for j, part in enumerate(m.content if isinstance(m.content, list) else [])
+        if isinstance(part, ImagePart)
+    ]
+    if images and card.image_tokens is None:
+        takes = ", ".join(c.name for c in CARDS.values() if c.image_tokens is not None)
+        raise Invalid(
+            f"{images[0][0]}: {model} takes no image input (a text-only model); models that do: {takes}",
+            param=images[0][0],
+            code="images_not_supported",
+        )
+    for where, url in images:
+        problem = image_problem(decode_data_url(url), max_pixels)
+        if problem:
+            raise Invalid(f"{where}.image_url.url: {problem}", param=f"{where}.image_url.url", code="invalid_image")
+    if limit is not None and card.position_limit is not None and limit >= card.position_limit:
+        raise Invalid(
+            f"{param}: {limit} leaves no room for the prompt in {model}'s position limit of {card.position_limit} "
+            "tokens (prompt and answer together)",
+            param=param,
+            code="max_tokens_too_large",
+        )
 
 
 def create_job(session: Session, store: LocalStore, settings: Settings, owner: str, req: JobRequest) -> Job:

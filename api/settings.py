@@ -50,6 +50,13 @@ class Settings(BaseSettings):
     mlflow_tracking_uri: str = ""  # e.g. http://mlflow:5000; empty: jobs cannot ask for mlflow
     wandb_mode: str = "online"  # wandb's mode: online (WANDB_API_KEY), offline (runs written under home/wandb)
 
+    # The inference server (workers/inference.py, `python -m workers.inference`): its own process,
+    # listening on this URL's host and port; the API sends it chat requests.
+    inference_url: str = "http://127.0.0.1:8766"
+    inference_timeout_seconds: float = 300.0  # the longest wait for its next byte (a base model loads on first use)
+    inference_device: str = ""  # the server's torch device (cuda, npu, cpu); empty: the best one there is
+    inference_max_batch: int = 8  # sequences one base model decodes side by side
+
     sse_poll_seconds: float = 0.5
     sse_keepalive_seconds: float = 15.0
 

@@ -171,8 +171,11 @@ def _content_parts(content: list, where: str, issues: list[Issue], line: int) ->
     return "".join(text), images
 
 
-def _message(line: int, m: object, where: str, issues: list[Issue]) -> tuple[Message, list[str]] | None:
-    """One message of a line and the images its content parts carry; problems go to ``issues``."""
+def _message(
+    line: int, m: object, where: str, issues: list[Issue], prompt: bool = False
+) -> tuple[Message, list[str]] | None:
+    """One message of a line and the images its content parts carry; problems go to ``issues``.
+    ``prompt``: a chat request's message (an empty assistant turn is context, not a target)."""
     if not isinstance(m, dict):
         issues.append(Issue(line, where, "must be an object with role and content"))
         return None
@@ -191,20 +194,22 @@ def _message(line: int, m: object, where: str, issues: list[Issue]) -> tuple[Mes
         issues.append(Issue(line, f"{where}.weight", "must be 0 or 1"))
         weight = 1
     if role == "assistant":
-        if not content.strip():
+        if not content.strip() and not prompt:
             issues.append(Issue(line, f"{where}.content", "empty assistant turn"))
         if IMAGE_TOKEN in content:
             issues.append(Issue(line, f"{where}.content", f"{IMAGE_TOKEN} belongs in user or system messages"))
     return Message(str(role), content, int(weight)), found
 
 
-def _messages(line: int, msgs: object, where: str, issues: list[Issue]) -> tuple[list[Message], list[str]] | None:
+def _messages(
+    line: int, msgs: object, where: str, issues: list[Issue], prompt: bool = False
+) -> tuple[list[Message], list[str]] | None:
     if not isinstance(msgs, list) or not msgs:
         issues.append(Issue(line, where, "must be a non-empty list of messages"))
         return None
     out, images = [], []
     for i, m in enumerate(msgs):
-        got = _message(line, m, f"{where}[{i}]", issues)
+        got = _message(line, m, f"{where}[{i}]", issues, prompt)
         if got is not None:
             out.append(got[0])
             images += got[1]
@@ -226,6 +231,53 @@ def _images(line: int, obj: dict, part_images: list[str], placeholders: int, iss
         if problem:
             issues.append(Issue(line, f"images[{k}]", problem))
     return [str(r) for r in images]
+
+
+def parse_prompt(msgs: object, where: str = "messages") -> tuple[Example | None, list[Issue]]:
+    """A chat request's messages (OpenAI's chat completions: the same roles, string contents and
+    ``text`` / ``image_url`` parts as a dataset line) as the Example a model continues, or the
+    issues that stop it, each naming its field (``messages[1].content[0].image_url.url``; line 0).
+    Images come inline only, as ``data:`` URLs; ``<image>`` in a text is a placeholder, as in a
+    dataset, so it needs an image of its own; the last message is a user's or a system's (the
+    answer starts after it); an empty assistant turn is context."""
+    issues: list[Issue] = []
+    parsed = _messages(0, msgs, where, issues, prompt=True)
+    if parsed is None:
+        return None, issues
+    messages, images = parsed
+    assert isinstance(msgs, list)  # _messages refused anything else
+    for i, m in enumerate(msgs):
+        parts = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(parts if isinstance(parts, list) else []):
+            url = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
+            url = url.get("url") if isinstance(url, dict) else url
+            if isinstance(url, str):
+                problem = image_ref_problem(url) if url.startswith("data:") else None
+                if not url.startswith("data:"):
+                    problem = "must be a data: URL (data:image/png;base64,...); image URLs and paths are not fetched"
+                if problem:
+                    issues.append(Issue(0, f"{where}[{i}].content[{j}].image_url.url", problem))
+    placeholders = sum(m.content.count(IMAGE_TOKEN) for m in messages)
+    if placeholders != len(images):
+        issues.append(
+            Issue(
+                0,
+                where,
+                f"{placeholders} {IMAGE_TOKEN} placeholder(s) but {len(images)} image(s): an {IMAGE_TOKEN} in a "
+                "text stands for an image_url part's image; send images as image_url parts only",
+            )
+        )
+    if isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
+        issues.append(
+            Issue(
+                0,
+                f"{where}[{len(msgs) - 1}].role",
+                "the last message is the assistant's; end with a user (or system) message: the answer follows it",
+            )
+        )
+    if issues:
+        return None, issues
+    return Example(0, messages, images), []
 
 
 PREFERENCE_FIELDS = ("input", "preferred_output", "non_preferred_output")

@@ -202,6 +202,64 @@ class DatasetReport(_Obj):
     estimate: Estimate
 
 
+class Usage(_Obj):
+    prompt_tokens: int
+    completion_tokens: int  # all choices together
+    total_tokens: int
+
+
+class ChatCompletionMessage(_Obj):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class ChatChoice(_Obj):
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: Literal["stop", "length"]  # stop: the end of the turn or a stop string; length: max_tokens
+    logprobs: None = None
+
+
+class ChatCompletion(_Obj):
+    """``POST /v1/chat/completions``' answer (OpenAI's ``chat.completion``)."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChoiceDelta(_Obj):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(_Obj):
+    index: int
+    delta: ChoiceDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_Obj):
+    """One Server-Sent Event of a streamed chat completion: per choice a first chunk with
+    ``delta.role``, then ``delta.content`` pieces, then one with its ``finish_reason``; with
+    ``stream_options.include_usage`` every chunk has ``usage`` null but a last one with no
+    choices and the usage; then ``data: [DONE]``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
 T = TypeVar("T")
 
 

@@ -1,5 +1,6 @@
 """Drive one fine-tune through the HTTP API: upload the sample dataset, start a job, follow its
-live events, download the adapter. Used by scripts/quickstart.sh."""
+live events, download the adapter, then ask the fine-tuned model a question through the official
+openai SDK (the API passes it to the inference server). Used by scripts/quickstart.sh."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import httpx
+from openai import OpenAI
 
 SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample"
 
@@ -86,6 +88,16 @@ def main() -> int:
         f"over {len(losses)} steps, {job['trained_tokens']} tokens"
     )
     print(f"adapter saved to {args.out}: {', '.join(names)}")
+    # max_retries: the SDK's backoff also covers an inference server still starting (a 503)
+    oai = OpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key, max_retries=5)
+    question = "What is 11 + 7?"
+    chat = oai.chat.completions.create(
+        model=job["fine_tuned_model"],
+        messages=[{"role": "user", "content": question}],
+        max_tokens=16,
+        temperature=0,
+    )
+    print(f"\nasked {job['fine_tuned_model']}: {question} -> {chat.choices[0].message.content!r}")
     return 0
 
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Install Kiln, start the API and a worker on the embedded defaults (SQLite, Celery over SQLite,
-# a local store under ./kiln-data), fine-tune kiln-tiny on the sample dataset and download the
-# LoRA adapter to ./kiln-adapter.zip. Stops both services when it ends.
+# Install Kiln, start the API, a worker and the inference server on the embedded defaults
+# (SQLite, Celery over SQLite, a local store under ./kiln-data), fine-tune kiln-tiny on the
+# sample dataset, download the LoRA adapter to ./kiln-adapter.zip and ask the fine-tuned model a
+# question through the openai SDK. Stops the services when it ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh server,engine
+source scripts/setup_env.sh server,engine,examples
 export KILN_HOME="${KILN_HOME:-$PWD/kiln-data}"
+export KILN_INFERENCE_URL="${KILN_INFERENCE_URL:-http://127.0.0.1:8766}"
 port="${KILN_PORT:-8000}"
 .venv/bin/kiln-admin migrate
 key=$(.venv/bin/kiln-admin create-key --owner quickstart --name quickstart 2>/dev/null)
@@ -15,5 +17,7 @@ mkdir -p "$KILN_HOME/logs"
 api=$!
 .venv/bin/celery -A workers.celery_app worker --pool=solo --loglevel=INFO >"$KILN_HOME/logs/worker.log" 2>&1 &
 worker=$!
-trap 'kill $api $worker 2>/dev/null; wait $api $worker 2>/dev/null || true' EXIT
+.venv/bin/python -m workers.inference >"$KILN_HOME/logs/inference.log" 2>&1 &
+inference=$!
+trap 'kill $api $worker $inference 2>/dev/null; wait $api $worker $inference 2>/dev/null || true' EXIT
 .venv/bin/python scripts/quickstart.py --base-url "http://127.0.0.1:$port" --api-key "$key" --out kiln-adapter.zip

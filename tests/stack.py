@@ -1,6 +1,6 @@
 """Start the real service for a test: a fresh database, the API under uvicorn, Celery worker
-processes and the webhook worker (a Celery worker on the webhook queue only), each a separate OS
-process talking over real sockets."""
+processes, the webhook worker (a Celery worker on the webhook queue only) and, when a test asks
+for it, the inference server, each a separate OS process talking over real sockets."""
 
 from __future__ import annotations
 
@@ -54,10 +54,14 @@ class Stack:
             "KILN_HEARTBEAT_SECONDS": "1",
             "KILN_REAPER_SECONDS": "1",
             "PYTHONUNBUFFERED": "1",
+            # its own port, whether or not a test starts the server: until then chat finds nobody there
+            "KILN_INFERENCE_URL": f"http://127.0.0.1:{free_port()}",
             **{f"KILN_{k.upper()}": str(v) for k, v in settings.items()},
         }
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.inference_url = self.env["KILN_INFERENCE_URL"]
+        self.inference: subprocess.Popen | None = None
         self.api: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         self.webhook_worker: subprocess.Popen | None = None
@@ -171,6 +175,27 @@ class Stack:
         )
         return self.webhook_worker
 
+    def start_inference(self, timeout: float = 120) -> subprocess.Popen:
+        """The inference server (``python -m workers.inference``) on ``inference_url``; returns once
+        it answers its health check."""
+        if self.inference is None or self.inference.poll() is not None:
+            self.inference = self._spawn("inference", [sys.executable, "-m", "workers.inference"])
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.inference.poll() is not None:
+                raise RuntimeError("the inference server exited: " + self.log("inference")[-2000:])
+            try:
+                if httpx.get(f"{self.inference_url}/healthz", timeout=1).status_code == 200:
+                    return self.inference
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("the inference server did not start: " + self.log("inference")[-2000:])
+
+    def stop_inference(self) -> None:
+        if self.inference is not None and self.inference.poll() is None:
+            os.killpg(self.inference.pid, signal.SIGTERM)
+            self.inference.wait(timeout=30)
+
     def kill_worker(self, w: subprocess.Popen) -> None:
         os.killpg(w.pid, signal.SIGKILL)
         w.wait(timeout=30)
@@ -188,10 +213,10 @@ class Stack:
         return p.read_text(errors="replace") if p.exists() else ""
 
     def stop(self) -> None:
-        for p in [*self.workers, self.webhook_worker, self.api]:
+        for p in [*self.workers, self.webhook_worker, self.inference, self.api]:
             if p and p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
-        for p in [*self.workers, self.webhook_worker, self.api]:
+        for p in [*self.workers, self.webhook_worker, self.inference, self.api]:
             if p:
                 try:
                     p.wait(timeout=20)

@@ -38,11 +38,14 @@ def test_embedded_end_to_end(sqlite_stack, sample):
 
 
 def test_quickstart_driver_runs_against_the_embedded_stack(sqlite_stack, tmp_path):
-    """README's first command ends in scripts/quickstart.py: it must keep working."""
+    """README's first command ends in scripts/quickstart.py: it must keep working, its chat
+    question to the fine-tuned model included (the inference server beside the worker, as
+    quickstart.sh starts it)."""
     import subprocess
     import sys
     from pathlib import Path
 
+    sqlite_stack.start_inference()
     out = tmp_path / "adapter.zip"
     run = subprocess.run(
         [
@@ -63,4 +66,5 @@ def test_quickstart_driver_runs_against_the_embedded_stack(sqlite_stack, tmp_pat
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "The job has successfully completed" in run.stdout and "adapter saved to" in run.stdout
+    assert "asked ft:kiln-tiny:bob:quickstart:" in run.stdout and "What is 11 + 7? -> '" in run.stdout
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(zipfile.ZipFile(out).namelist())

@@ -3,11 +3,15 @@ input gives a 5xx, every status and body is the one the spec declares, schema-va
 accepted, schema-invalid ones refused, undeclared methods answer 405 with a full ``Allow``.
 
 Real ids (a finished job, its checkpoint, a file, a spare key) are given to the fuzzer so that it
-reaches past the 404s into the handlers. Two allowances, stated in the config below, for rules no
-JSON Schema states: an upload's *content* (a JSONL dataset in Kiln's format, or a zip), and a
+reaches past the 404s into the handlers. Three allowances, stated in the config below, for rules
+no JSON Schema states: an upload's *content* (a JSONL dataset in Kiln's format, or a zip), a
 job's settings against each other and against its model (``parallel.ep_size`` divides ``nproc``
 and the model's experts, the LoRA targets are the model's, ``max_seq_len`` within its position
-limit): a schema-valid request that breaks one is a 400 naming the field."""
+limit), and a chat request's messages and settings against its model (images on a text-only
+model, a max_tokens over the position limit, the last turn a user's): a schema-valid request
+that breaks one is a 400 naming the field. This stack runs no inference server (the fuzzer
+would ask for answers of up to 32768 tokens), so a chat request that passes every check is a
+503 saying the server is not reachable (tests/integration/test_chat.py has the answers)."""
 
 from __future__ import annotations
 
@@ -80,6 +84,11 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "409",
 [[operations]]
 include-name = "POST /v1/fine_tuning/jobs"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "409", "429"]
+
+[[operations]]
+include-name = "POST /v1/chat/completions"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "404", "409", "429", "503"]
+checks.not_a_server_error.expected-statuses = ["2xx", "3xx", "4xx", "503"]
 ''')
     run = subprocess.run(
         [

@@ -1,8 +1,8 @@
 """README's code blocks run as written (issue #30): every fenced block, in README's order.
 
-- ``python``: run as a script against a live stack (PostgreSQL, Redis, the API, a worker) from a
-  scratch folder that links the checkout's ``data/``, with KILN_BASE_URL and KILN_API_KEY set,
-  which the examples read; they must exit 0.
+- ``python``: run as a script against a live stack (PostgreSQL, Redis, the API, a worker, the
+  inference server) from a scratch folder that links the checkout's ``data/``, with
+  KILN_BASE_URL and KILN_API_KEY set, which the examples read; they must exit 0.
 - ``json``: parsed; JSON Lines of chats (the dataset format's example) are validated with
   kiln.dataset, images looked up in the sample's images.zip, and must hold no issue.
 - ``sh``: run with bash from the checkout's root, ``.venv/bin`` first on PATH; they must exit 0.
@@ -11,10 +11,11 @@
   reader's ``job.yaml`` (kiln-tiny on the sample, 2 steps).
 
 Skipped, and only these (SKIPPED): ``bash scripts/quickstart.sh`` (installs into .venv and
-fine-tunes for about a minute; its driver, scripts/quickstart.py, runs in test_embedded.py) and
-``bash scripts/test.sh`` (the whole suite, this test included: CI runs it). A block in any other
-language fails here until it gets a runner. Indented code blocks are refused: this test would not
-see them.
+fine-tunes for about a minute; its driver, scripts/quickstart.py, runs in test_embedded.py),
+``bash scripts/test.sh`` (the whole suite, this test included: CI runs it) and the two vLLM
+blocks of "Serving with vLLM" (they need vLLM and a GPU, which CI has not; README says they were
+not run). A block in any other language fails here until it gets a runner. Indented code blocks
+are refused: this test would not see them.
 """
 
 from __future__ import annotations
@@ -35,9 +36,19 @@ from tests.stack import free_port
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 SAMPLE = ROOT / "data" / "sample"
+VLLM_SERVE = """unzip adapter.zip -d my-adapter                    # client.adapters.download(job.id, "adapter.zip")
+vllm serve /models/base --enable-lora --lora-modules my-ft=./my-adapter --max-lora-rank 16
+# or, a Kimi Linear fine-tune merged (client.exports.download(model, "merged.zip")):
+unzip merged.zip -d merged && vllm serve ./merged --served-model-name my-ft --trust-remote-code"""
+VLLM_CLIENT = """from openai import OpenAI
+client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="EMPTY")   # vLLM's server
+reply = client.chat.completions.create(model="my-ft", messages=[{"role": "user", "content": "What is 2 + 3?"}])
+print(reply.choices[0].message.content)"""
 SKIPPED = {
     "bash scripts/quickstart.sh": "installs into .venv and fine-tunes for a minute; test_embedded runs its driver",
     "bash scripts/test.sh": "the whole suite, this test included: CI runs it",
+    VLLM_SERVE: "needs vLLM and a GPU: README says it was not run here",
+    VLLM_CLIENT: "asks a vLLM server, which needs vLLM and a GPU: README says it was not run here",
 }
 FENCE = re.compile(r"^( *)```(\S*)\s*$")
 
@@ -86,9 +97,11 @@ BLOCKS = fenced_blocks(README.read_text())
 
 @pytest.fixture(scope="module")
 def pg_stack(make_pg_stack):
-    """The stack the python blocks run against; its workers write wandb runs offline, as the
-    tracking example says."""
-    return make_pg_stack(max_upload_bytes=2_000_000, wandb_mode="offline")
+    """The stack the python blocks run against, its inference server included (the chat
+    example); its workers write wandb runs offline, as the tracking example says."""
+    stack = make_pg_stack(max_upload_bytes=2_000_000, wandb_mode="offline")
+    stack.start_inference()
+    return stack
 
 
 def test_readme_has_its_blocks_and_no_indented_code():
