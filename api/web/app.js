@@ -75,7 +75,7 @@ function fillSelect(select, options, empty) {
 }
 
 function show(section) {
-  for (const id of ["login", "jobs", "new", "job", "files"]) $(id).hidden = id !== section;
+  for (const id of ["login", "jobs", "new", "job", "files", "playground"]) $(id).hidden = id !== section;
   $("logout").hidden = section === "login";
 }
 
@@ -85,12 +85,14 @@ function stopStream() {
 
 async function route() {
   stopStream();
+  stopAnswers();  // playground.js: answers still streaming are stopped when the page moves on
   if (!state.key) return show("login");
   const hash = location.hash || "#/";
   try {
     if (hash.startsWith("#/jobs/")) await showJob(hash.slice(7));
     else if (hash === "#/new") await showNew();
     else if (hash === "#/files") await showFiles();
+    else if (hash.startsWith("#/playground")) await showPlayground(decodeURIComponent(hash.slice(13)));
     else await showJobs();
   } catch (e) {
     if (e.status === 401) { signOut(); $("login-error").textContent = e.message; } else throw e;
@@ -297,6 +299,8 @@ function renderJob(j) {
   $("resume").hidden = !["paused", "pausing"].includes(j.status);  // while pausing, resume withdraws the pause
   $("cancel").disabled = TERMINAL.includes(j.status);
   $("download").disabled = j.status !== "succeeded";
+  $("job-play").hidden = j.status !== "succeeded" || !j.fine_tuned_model;
+  $("job-play").href = `#/playground/${encodeURIComponent(j.fine_tuned_model || "")}`;
 }
 
 // Pause, resume, cancel: the job as the API answers, or its refusal beside the buttons.
@@ -391,7 +395,10 @@ async function showCheckpoints(id) {
     const button = el("button", {}, "Download");
     button.addEventListener("click", () =>
       download(`/v1/fine_tuning/jobs/${id}/checkpoints/${c.id}/adapter`, `${id}-step-${c.step_number}.zip`));
-    return el("tr", {}, ...[c.step_number, fmt(c.metrics.train_loss), fmt(c.metrics.valid_loss), button]
+    const m = c.metrics;  // the last checkpoint's answers to the validation prompts: full_valid_* (engine.inference.evaluate)
+    const share = (v) => (v === undefined || v === null ? "" : `${(100 * v).toFixed(1)}%`);
+    return el("tr", {}, ...[c.step_number, fmt(m.train_loss), fmt(m.valid_loss),
+      share(m.full_valid_mean_token_accuracy ?? m.valid_mean_token_accuracy), share(m.full_valid_exact_match), button]
       .map((v) => el("td", {}, v)));
   }));
 }
@@ -504,4 +511,5 @@ $("upload-form").addEventListener("submit", async (ev) => {
   if (isImages(f)) await useImages(f.id); else await reportFile(f);
 });
 
-route();
+// Once every script has run: playground.js, loaded after this file, adds a route.
+document.addEventListener("DOMContentLoaded", route);
