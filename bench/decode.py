@@ -164,7 +164,7 @@ def profile(b, device: torch.device, batch: int, prompt: int, steps: int = 5) ->
     for _ in range(3):
         dec.step()
     sync(device)
-    with run(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with run(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             dec.step()
@@ -174,6 +174,8 @@ def profile(b, device: torch.device, batch: int, prompt: int, steps: int = 5) ->
     table = prof.key_averages()
     print(table.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
     print(table.table(sort_by="self_device_time_total", row_limit=15), flush=True)
+    shapes = prof.key_averages(group_by_input_shape=True)
+    print(shapes.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=30), flush=True)
 
 
 def hf_model(ckpt: Path, adapter: Path, device: torch.device):

@@ -197,18 +197,19 @@ class Adapters:
             if A.shape[1] != base.in_features or B.shape[0] != base.out_features:
                 raise ValueError(f"adapter {name}: {path}'s factors do not fit the base model's layer")
             linears[path] = A, B
-        # every check passed: only now does the model change
-        dt = torch.promote_types(next(self.model.parameters()).dtype, torch.float32)
+        # every check passed: only now does the model change; the factors in their layer's dtype
 
-        def put(t: torch.Tensor) -> torch.Tensor:  # PEFT's expert layout comes as a permuted view
-            return t.to(device, dt).contiguous()
+        def put(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # (PEFT's expert layout: a permuted view)
+            return t.to(device, like.dtype).contiguous()
 
         for path, (A, B) in linears.items():
-            self._served(path, ServedLinear).factors[name] = (put(A), put(B), scaling)
+            layer = self._served(path, ServedLinear)
+            W = layer.base.weight
+            layer.factors[name] = (put(A, W), put(B, W), scaling)
         for path, f in experts.items():
-            self._served(path, ServedExperts).factors[name] = _Factors(
-                {k: (put(A), put(B)) for k, (A, B) in f.items()}, scaling
-            )
+            served = self._served(path, ServedExperts)
+            W = served.inner.gate_up_proj
+            served.factors[name] = _Factors({k: (put(A, W), put(B, W)) for k, (A, B) in f.items()}, scaling)
         self.names.add(name)
 
     def _served(self, path: str, kind):

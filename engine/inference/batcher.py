@@ -8,8 +8,11 @@ frees its slots at once).
     for chunk in b.submit(ids, pixels, "ft:...", Sampling(max_tokens=64)):
         print(chunk.index, chunk.text, chunk.finish_reason)
 
-On CUDA the frozen weights are kept in bf16 and the forward runs under bf16 autocast, as
-training's does (the LoRA factors, norms and gates stay fp32); on the CPU everything is fp32.
+On CUDA the model is bf16 throughout, as inference servers keep it (no autocast: its casts at
+every matmul cost more host time than a decode step's small matmuls take), but for the few
+parameters a rounding would move far: KDA's decay (``A_log``, ``dt_bias``) and the MoE router
+(its weight and bias choose the experts); adapters in their base layer's dtype. On the CPU
+everything stays as loaded (fp32).
 """
 
 from __future__ import annotations
@@ -23,12 +26,20 @@ import torch
 
 from engine.inference.adapters import Adapters
 from engine.inference.decode import Chunk, Decoder, Prompt, Sampling, encode_prompt, pixels_of
-from engine.lora import store_frozen
 from engine.model.registry import load_base, position_limit
 from kiln.dataset import Example
 from kiln.tokenizer import chat_template, load_tokenizer
 
 MAX_N = 8  # choices per request; a request's choices all fit in one batch
+KEEP_FP32 = ("A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias")  # decay and routing
+
+
+def to_bf16(model: torch.nn.Module) -> None:
+    """Every floating tensor in bf16, but those named by ``KEEP_FP32``."""
+    model.to(torch.bfloat16)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(KEEP_FP32):
+            t.data = t.data.float()
 
 
 class Handle:
@@ -67,7 +78,7 @@ class Batcher:
         model = load_base(Path(model_dir)).eval()
         model.to(self.device)
         if self.device.type == "cuda":
-            store_frozen(model, torch.bfloat16)
+            to_bf16(model)
         self.model = model
         self.tok = load_tokenizer(Path(model_dir))
         self.tpl = chat_template(self.tok)

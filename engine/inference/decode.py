@@ -94,6 +94,11 @@ class Decoder:
         self.model: Any = model  # a family's CausalLM: ``hidden`` and ``lm_head``
         self.tok, self.tpl, self.emit = tok, tpl, emit
         self.device = next(model.parameters()).device
+        # bf16 autocast on CUDA where some matmul weight is wider (a training model: its fp32 LoRA
+        # factors and master weights); a model kept in bf16 runs as it is
+        self.autocast = self.device.type == "cuda" and any(
+            m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, nn.Linear)
+        )
         self.cache = Cache(slots, self.device)
         self.free = list(range(slots))
         self.running: list[Choice] = []
@@ -111,14 +116,15 @@ class Decoder:
         docs = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(new))
         last = torch.tensor(new).cumsum(0) - 1
         # one copy to the device (each is a wait for the device)
-        both = torch.cat([flat, docs, positions[0], last]).to(self.device)
+        both = torch.cat([flat, positions[0], last]).to(self.device)
         L = len(flat)
-        flat, docs, positions, last = both[:L][None], both[L : 2 * L][None], both[2 * L : 3 * L][None], both[3 * L :]
+        flat, positions, last = both[:L][None], both[L : 2 * L][None], both[2 * L :]
+        docs = docs[None]  # the documents stay on the host: the layers read their offsets there
         routing = Routing(adapters, [0, *torch.tensor(new).cumsum(0).tolist()])
         dev = self.device.type
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"), routes(routing):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.autocast), routes(routing):
             h = self.model.hidden(flat, pixels, docs, positions, self.cache)
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.autocast):
             logits = self.model.lm_head(h[0, last])
         self.cache.advance()
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -116,7 +116,8 @@ class GatedDSAttention(nn.Module):
         B, T, _ = x_BTD.shape
         x_BTD = autocast_input(x_BTD)
         pos = positions_BT if positions_BT is not None else torch.arange(T, device=x_BTD.device).expand(B, T)
-        starts = doc_starts(doc_ids_BT, B, T, x_BTD.device)
+        docs = doc_ids_BT.to(x_BTD.device) if doc_ids_BT is not None else None  # (a decode's stay on the host)
+        starts = doc_starts(docs, B, T, x_BTD.device)
         q_resid = self.q_a_layernorm(self.q_a_proj(x_BTD))
         q_nope, q_rot = self.q_b_proj(q_resid).view(B, T, self.H, -1).split([self.nope, self.rope], -1)
         latent, k_rot = self.kv_a_proj_with_mqa(x_BTD).split([self.rank, self.rope], -1)
