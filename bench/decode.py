@@ -11,7 +11,9 @@ MLA, KDA), saved by transformers and loaded by both sides from that folder. The 
 Kiln in PEFT's layout; PEFT loads it onto transformers' model, Kiln serves it beside the base.
 
 Each row: ``batch`` prompts of ``prompt`` random tokens, ``new`` tokens each, greedy, no early end.
-``prefill_s``: to the first token; decode tokens/s: ``batch * (new - 1)`` over the time after it.
+``prefill_s``: to the first token; decode tokens/s: ``batch * (new - 1)`` over the time after it
+(transformers: timed by a streamer, called as each token comes; the H200 rows of 2026-12-04 timed
+the whole call less a prefill timed apart, a method the CPU's long prefills made useless).
 Memory per sequence: the decode state a sequence holds after its prompt and answer (Kiln: the
 cache's tensors, counted; transformers: the tensors of ``past_key_values``, counted), and its
 KDA layers' part, which does not grow with the length. Both sides in bf16 on CUDA (Kiln: bf16
@@ -194,32 +196,49 @@ def hf(model, device: torch.device, batch: int, prompt: int, new: int) -> dict:
     )
     ids = ids.to(device)
 
-    def run(n: int):
+    class Clock:
+        """generate()'s streamer: the time each new token came (the prompt comes first)."""
+
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            sync(device)
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def run(n: int) -> Clock:
+        clock = Clock()
         with torch.no_grad():
-            return model.generate(
+            model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=n,
                 min_new_tokens=n,
                 do_sample=False,
-                return_dict_in_generate=True,
                 pad_token_id=0,
+                streamer=clock,
             )
+        return clock
 
     run(2)  # warm-up
-    sync(device)
-    t0 = time.perf_counter()
-    run(1)
-    sync(device)
-    t1 = time.perf_counter()
-    out = run(new)
-    sync(device)
-    t2 = time.perf_counter()
-    prefill = t1 - t0
+    with torch.no_grad():  # the state a sequence holds after its answer
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=2,
+            min_new_tokens=2,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
     state = tensor_bytes(out.past_key_values) / batch
+    t = run(new).times  # the prompt's put, then one a new token: prefill to the first, decode after it
     return {
-        "hf_tokens_per_s": batch * (new - 1) / (t2 - t1 - prefill),
-        "hf_prefill_s": prefill,
+        "hf_tokens_per_s": batch * (new - 1) / (t[-1] - t[1]),
+        "hf_prefill_s": t[1] - t[0],
         "hf_state_mib_per_seq": state / 2**20,
     }
 
