@@ -10,20 +10,13 @@ import pytest
 import torch
 
 from engine.inference import Batcher, Decoder, Prompt, Sampling
-from engine.model.registry import ensure_builtin
 from kiln.spec import LoraSpec
 from tests.tolerance import rel
+from tests.unit import test_decode
 from tests.unit.test_decode import FAMILIES, Recorder, random_adapter
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    for name in FAMILIES:
-        ensure_builtin(name, root / name)
-    return root
+models = test_decode.models  # the built-in models' folders, written once (a fixture)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
