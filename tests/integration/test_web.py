@@ -114,6 +114,12 @@ def test_watch_a_job_live_and_download_the_adapter(page, pg_stack, dataset):
     assert page.text_content("#job-step") == "60 / 60"
     assert float(page.text_content("#job-loss")) < 5 and page.text_content("#job-tps") != "-"
     assert page.locator("#ckpt-body tr").count() == 2
+    # the columns: step, losses, token accuracy, exact match (the last step's answers to the
+    # validation prompts, engine.inference.evaluate), the download
+    rows = {r[0]: r for r in (tr.locator("td").all_text_contents() for tr in page.locator("#ckpt-body tr").all())}
+    assert set(rows) == {"30", "60"}
+    assert re.fullmatch(r"\d+\.\d%", rows["60"][4]) and rows["30"][4] == ""  # the last step's only
+    assert all(re.fullmatch(r"\d+\.\d%", r[3]) for r in rows.values())
     events = page.locator("#events li").all_text_contents()
     assert any("Fine-tuning job started" in e for e in events) and "successfully completed" in events[-1]
     with page.expect_download() as dl:
