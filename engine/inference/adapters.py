@@ -42,6 +42,7 @@ class Routing:
     def __init__(self, adapters: list[str | None], cu: list[int]):
         self.adapters = adapters
         self.layouts = {cu[-1]: cu}
+        self._spans: dict[int, list[Route]] = {}
 
     def keys(self, cu_k: list[int]) -> None:
         self.layouts.setdefault(cu_k[-1], cu_k)
@@ -50,6 +51,8 @@ class Routing:
         """The adapters' row spans of a layer that sees ``rows`` rows, those of one adapter merged."""
         if not any(self.adapters):
             return []
+        if rows in self._spans:  # every served layer of the forward asks: worked out once a layout
+            return self._spans[rows]
         cu = self.layouts.get(rows)
         if cu is None:
             raise ValueError(f"{who}: {rows} rows, not the forward's tokens nor its keys ({sorted(self.layouts)})")
@@ -61,6 +64,7 @@ class Routing:
                 out[-1] = (a, out[-1][1], end)
             else:
                 out.append((a, start, end))
+        self._spans[rows] = out
         return out
 
 
