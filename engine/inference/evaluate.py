@@ -1,7 +1,8 @@
 """The finished model answers the validation prompts: each example's last assistant turn is the
 reference, the turns before it the prompt, greedy decoding the answer; an exact match is the
 answer's text equal to the reference's, surrounding whitespace aside. Decoded with the cache
-(engine.inference.decode), ``BATCH`` prompts at a time."""
+(engine.inference.decode), ``BATCH`` prompts at a time, on the first ``MAX_PROMPTS`` of the
+validation set (a bound on the time a job spends after its last step)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from engine.data import Dataset
 from engine.inference.decode import Chunk, Decoder, Prompt, Sampling, encode_prompt
 from kiln.dataset import IMAGE_TOKEN
 
-BATCH = 8
+BATCH = 32
+MAX_PROMPTS = 512
 
 
 def exact_match(model: nn.Module, data: Dataset, indices: list[int]) -> float:
@@ -24,6 +26,7 @@ def exact_match(model: nn.Module, data: Dataset, indices: list[int]) -> float:
         texts[id(prompt)] = texts.get(id(prompt), "") + chunk.text
 
     right = asked = 0
+    indices = indices[:MAX_PROMPTS]
     was = model.training
     model.eval()
     try:
