@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.common.layers import Past, RMSNorm, autocast_input, cu_seqlens, doc_starts
+from engine.model.common.layers import Past, RMSNorm, autocast_input, doc_starts
 from kiln_kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
 
 
@@ -109,10 +109,13 @@ class GatedDSAttention(nn.Module):
         positions_BT: torch.Tensor | None = None,
         doc_ids_BT: torch.Tensor | None = None,
         past: Past | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``past`` (layers.Past): x's documents continue earlier tokens (another rank's, a
         decode's earlier steps); the keys (the latent rows, RoPE'd key dims and the indexer's
-        keys, one row a token) are theirs and x's, each document's queries the last of its keys."""
+        keys, one row a token) are theirs and x's, each document's queries the last of its keys.
+        ``cu_seqlens``: the documents' host offsets, as the model found them (one row; None: the
+        row is one document)."""
         B, T, _ = x_BTD.shape
         x_BTD = autocast_input(x_BTD)
         pos = positions_BT if positions_BT is not None else torch.arange(T, device=x_BTD.device).expand(B, T)
@@ -134,7 +137,7 @@ class GatedDSAttention(nn.Module):
             idx = indexer_topk(index_q.detach(), index_k.detach(), index_w.detach(), starts, self.topk)
         else:
             assert B == 1  # a continuation is one row of documents
-            cu = cu_seqlens(doc_ids_BT) if doc_ids_BT is not None else torch.tensor([0, T])
+            cu = cu_seqlens if cu_seqlens is not None else torch.tensor([0, T])
             widths = [self.rank, self.rope, index_k.shape[-1]]
             rows = torch.cat([latent, k_rot.to(latent.dtype), index_k.to(latent.dtype)], -1)[0]
             rows, cu_k = past.keys(rows, cu, (id(self), "kv"))

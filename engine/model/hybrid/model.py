@@ -98,7 +98,7 @@ class HybridLayer(nn.Module):
         to ``res``. Returns both outputs (FSDP's hooks need the block to return what it made).
         ``past`` (layers.Past): the documents continue earlier tokens."""
         h = self.input_layernorm(res.input(2 * i))
-        a = self.self_attn(h, cu, past) if self.kind == "kda" else self.self_attn(h, positions_BT, doc_ids_BT, past)
+        a = self.self_attn(h, cu, past) if self.kind == "kda" else self.self_attn(h, positions_BT, doc_ids_BT, past, cu)
         res.add(a)
         m = self.mlp(self.post_attention_layernorm(res.input(2 * i + 1)))
         res.add(m)
