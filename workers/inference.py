@@ -78,7 +78,6 @@ class Models:
     def __init__(self, store: LocalStore, settings: Settings):
         self.store, self.settings = store, settings
         self.batchers: dict[str, Batcher] = {}
-        self.adapters: dict[str, list[str]] = {}  # base -> the adapters its engine holds
         self.open = 0  # answers being streamed (changed on the event loop only)
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -98,13 +97,13 @@ class Models:
                 device, batch = self.settings.inference_device or None, self.settings.inference_max_batch
                 b = Batcher(folder, device=device, max_batch=batch)
                 b.start()
-                self.batchers[base], self.adapters[base] = b, []
+                self.batchers[base] = b
             return self.batchers[base]
 
     def adapter(self, base: str, key: str) -> None:
         b = self.batchers[base]
         with self._lock(f"{base} {key}"):
-            if key in self.adapters[base]:
+            if b.has_adapter(key):
                 return
             folder = self.store.path(key)
             if not (folder / "adapter_config.json").exists():
@@ -113,7 +112,6 @@ class Models:
                 b.add_adapter(key, folder)
             except ValueError as e:
                 raise Refused(400, f"model: the adapter does not fit its base model: {e}", "model") from e
-            self.adapters[base].append(key)
 
     def submit(self, req: Generate) -> Handle:
         """Check the request against its model and hand it to the model's engine."""
@@ -211,7 +209,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
-        return {"ok": True, "open": models.open, "models": {b: sorted(keys) for b, keys in models.adapters.items()}}
+        held = {base: sorted(b.adapters.names) for base, b in models.batchers.items()}
+        return {"ok": True, "open": models.open, "models": held}
 
     @app.post("/v1/generate")
     async def generate(req: Generate):

@@ -27,10 +27,10 @@ import torch
 from engine.inference.adapters import Adapters
 from engine.inference.decode import Chunk, Decoder, Prompt, Sampling, encode_prompt, pixels_of
 from engine.model.registry import load_base, position_limit
+from kiln.chat import MAX_N  # choices per request; a request's choices all fit in one batch
 from kiln.dataset import Example
 from kiln.tokenizer import chat_template, load_tokenizer
 
-MAX_N = 8  # choices per request; a request's choices all fit in one batch
 KEEP_FP32 = ("A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias")  # decay and routing
 
 
@@ -88,7 +88,6 @@ class Batcher:
         self.context_limit = position_limit(model)
         self.adapters = Adapters(model)
         self.max_batch = max(max_batch, MAX_N)
-        self._handles: dict[int, Handle] = {}
         self.decoder = Decoder(model, self.tok, self.tpl, self.max_batch, self._emit)
         self._inbox: queue.Queue[Handle] = queue.Queue()
         self._cancelled: queue.Queue[Handle] = queue.Queue()

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from engine.inference.adapters import key_layout
 from kiln_kernels.conv import short_conv
-from kiln_kernels.conv.reference import EPS as CONV_EPS
+from kiln_kernels.conv.reference import head_l2_norm
 from kiln_kernels.dsa import indexer_topk
 from kiln_kernels.kda import kda_chunk, kda_recurrent
 
@@ -35,10 +35,12 @@ def conv_step(window_NWC: torch.Tensor, weight_C1W: torch.Tensor, head_norm: int
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else window_NWC.dtype
     up = torch.promote_types(window_NWC.dtype, torch.float32)
     y = F.silu(torch.einsum("nwc,cw->nc", window_NWC.to(up), weight_C1W[:, 0].to(up))).to(dt)
-    if not head_norm:
-        return y
-    v = y.unflatten(-1, (-1, head_norm)).to(up)
-    return (v * torch.rsqrt((v * v).sum(-1, keepdim=True) + CONV_EPS)).flatten(-2).to(dt)
+    return head_l2_norm(y, head_norm) if head_norm else y
+
+
+def offsets(lengths: list[int]) -> torch.Tensor:
+    """Host offsets [N + 1] of documents of these lengths laid end to end."""
+    return torch.tensor([0, *lengths]).cumsum(0)
 
 
 class Cache:
@@ -94,9 +96,7 @@ class Cache:
         W, C = weight_C1W.shape[-1], x_1TC.shape[-1]
         tail = self._tensor(key, (W - 1, C), x_1TC.dtype)
         idx = self.index
-        before = torch.where(
-            self.fresh[:, None, None], 0, tail[idx]
-        )  # [N, W - 1, C]: a fresh sequence has zeros before it
+        before = torch.where(self.fresh[:, None, None], 0, tail[idx])  # [N, W - 1, C]: zeros before a fresh one
         if self._stepping():  # one window of W a sequence: the definition, batched
             window = torch.cat([before, x_1TC[0, :, None]], 1)
             tail[idx] = window[:, 1:]
@@ -106,9 +106,7 @@ class Cache:
         for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
             parts.append(torch.cat([before[d], x_1TC[0, a:b]]))
             keep.append(torch.arange(b - a) + a + (W - 1) * (d + 1))
-        ext = torch.cat(parts)[None]
-        lengths = torch.tensor([len(p) for p in parts])
-        y = short_conv(ext, weight_C1W, torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]), head_norm)
+        y = short_conv(torch.cat(parts)[None], weight_C1W, offsets([len(p) for p in parts]), head_norm)
         tail[idx] = torch.stack([p[-(W - 1) :] for p in parts])
         return y[:, torch.cat(keep).to(y.device)]
 
@@ -134,7 +132,8 @@ class Cache:
         if torch.is_autocast_enabled(dev) and rows_TC.dtype == torch.float32:
             rows_TC = rows_TC.to(torch.get_autocast_dtype(dev))
         C = rows_TC.shape[-1]
-        need = max(p + n for p, n in zip(self.past, self.new, strict=True))
+        lengths = [p + n for p, n in zip(self.past, self.new, strict=True)]  # each document's keys
+        need = max(lengths)
         kept = self.kept.get(key)
         if kept is None or kept.shape[1] < need or kept.dtype != rows_TC.dtype:
             cap = max(64, 1 << (need - 1).bit_length())
@@ -147,8 +146,7 @@ class Cache:
         for s, p, a, b in zip(self.slots, self.past, bounds, bounds[1:], strict=False):
             kept[s, p : p + b - a] = rows_TC[a:b]
             out.append(kept[s, : p + b - a])
-        lengths = torch.tensor([p + n for p, n in zip(self.past, self.new, strict=True)])
-        cu_k = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        cu_k = offsets(lengths)
         key_layout(cu_k)
         return torch.cat(out), cu_k
 

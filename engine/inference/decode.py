@@ -24,7 +24,7 @@ from torch import nn
 
 from engine.data import image_tensor
 from engine.inference.adapters import Routing, routes
-from engine.inference.cache import Cache
+from engine.inference.cache import Cache, offsets
 from kiln.dataset import Example, Message, decode_data_url
 from kiln.tokenizer import ChatTemplate, Tokenizer, encode_chat
 
@@ -120,7 +120,7 @@ class Decoder:
         L = len(flat)
         flat, positions, last = both[:L][None], both[L : 2 * L][None], both[2 * L :]
         docs = docs[None]  # the documents stay on the host: the layers read their offsets there
-        routing = Routing(adapters, [0, *torch.tensor(new).cumsum(0).tolist()])
+        routing = Routing(adapters, offsets(new).tolist())
         dev = self.device.type
         with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.autocast), routes(routing):
             h = self.model.hidden(flat, pixels, docs, positions, self.cache)

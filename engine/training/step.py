@@ -17,11 +17,8 @@ def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=Non
     ids = batch["input_ids_BT"].to(device)
     labels = batch["labels_BT"].to(device)
     docs, pos = (batch[k].to(device) if batch[k] is not None else None for k in ("doc_ids_BT", "positions_BT"))
-    extra = {"past": cp} if cp is not None else {}
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        loss, right = model(
-            ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels, **extra
-        )  # no full logits
+        loss, right = model(ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels, past=cp)  # no logits
     return loss, int((labels[:, 1:] != IGNORE).sum()), int(right)
 
 

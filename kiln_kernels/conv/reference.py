@@ -30,7 +30,10 @@ def short_conv(
     else:
         cu = cu_seqlens.tolist()
         y = torch.cat([short_conv(x_BTC[:, a:b], weight_C1W) for a, b in zip(cu, cu[1:], strict=False)], 1)
-    if not head_norm:
-        return y
-    v = y.unflatten(-1, (-1, head_norm)).to(torch.promote_types(y.dtype, torch.float32))
+    return head_l2_norm(y, head_norm) if head_norm else y
+
+
+def head_l2_norm(y: torch.Tensor, n: int) -> torch.Tensor:
+    """Each group of ``n`` channels L2-normalised in fp32 (fla's form), returned in y's dtype."""
+    v = y.unflatten(-1, (-1, n)).to(torch.promote_types(y.dtype, torch.float32))
     return (v * torch.rsqrt((v * v).sum(-1, keepdim=True) + EPS)).flatten(-2).to(y.dtype)
