@@ -31,15 +31,16 @@ def length_bound(model: str, requested: int | None, param: str = "hyperparameter
         raise Invalid(f"{param}: {e}", param=param, code="max_seq_len_too_large") from e
 
 
-def tokenizer_for(model: str, store_models: Path):
-    """The model's tokenizer and chat template, from its folder in the store (the byte-level
+def tokenizer_for(folder: Path):
+    """A model's tokenizer and chat template, from its folder in the store (the byte-level
     default when the folder has no tokenizer files, as for kiln-tiny)."""
-    tok = load_tokenizer(store_models / model)
+    tok = load_tokenizer(folder)
     return tok, chat_template(tok)
 
 
-def token_counter(model: str, store_models: Path) -> Callable[[Example], tuple[int, int]]:
-    tok, tpl = tokenizer_for(model, store_models)
+def token_counter(model: str, folder: Path) -> Callable[[Example], tuple[int, int]]:
+    """``folder``: the model's folder in the store (``store.model_dir(model, weights=False)``)."""
+    tok, tpl = tokenizer_for(folder)
     image_tokens = BASE_MODELS[model]["image_tokens"]
 
     def count(ex: Example) -> tuple[int, int]:

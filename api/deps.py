@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from api.db import get_sessionmaker
 from api.ratelimit import RateLimiter
 from api.settings import get_settings
-from kiln.store import LocalStore
+from kiln.store import ObjectStore, open_store
 
 
 async def get_session() -> AsyncIterator[Session]:
@@ -29,14 +29,17 @@ async def get_session() -> AsyncIterator[Session]:
 
 
 @lru_cache
-def get_store() -> LocalStore:
-    return LocalStore(get_settings().resolved_store_dir())
+def get_store() -> ObjectStore:
+    s = get_settings()
+    return open_store(s.store_url or s.resolved_store_dir(), (s.store_cache_dir or s.home / "store-cache").resolve())
 
 
 @lru_cache
 def get_rate_limiter() -> RateLimiter:
     settings = get_settings()
-    return RateLimiter(settings.rate_limit_per_minute, settings.rate_limit_burst)
+    return RateLimiter(
+        settings.rate_limit_per_minute, settings.rate_limit_burst, settings.resolved_rate_limit_storage_url()
+    )
 
 
 def _releasing(endpoint: Callable[..., Any]) -> Callable[..., Any]:

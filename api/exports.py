@@ -33,7 +33,7 @@ from api.catalog import BASE_MODELS
 from api.errors import Conflict, Invalid, not_found
 from api.models import Job, now
 from api.settings import get_settings
-from kiln.store import LocalStore
+from kiln.store import ObjectStore
 
 EXPORT_TASK = "kiln.export_model"
 log = logging.getLogger("kiln.exports")
@@ -47,22 +47,22 @@ def archive_key(job_id: str) -> str:
     return f"jobs/{job_id}/merged.zip"
 
 
-def read(store: LocalStore, job_id: str) -> dict[str, Any] | None:
+def read(store: ObjectStore, job_id: str) -> dict[str, Any] | None:
     path = store.path(state_key(job_id))
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def write(store: LocalStore, job_id: str, state: dict[str, Any]) -> None:
+def write(store: ObjectStore, job_id: str, state: dict[str, Any]) -> None:
     with store.publish_file(state_key(job_id)) as tmp:
         tmp.write_text(json.dumps(state))
 
 
-def status(store: LocalStore, state: dict[str, Any]) -> dict[str, Any]:
+def status(store: ObjectStore, state: dict[str, Any]) -> dict[str, Any]:
     """The state as it stands: a running export whose worker stopped beating is failed."""
     if state["status"] == "running" and time.time() - state["heartbeat_at"] > get_settings().lease_seconds:
         message = "the worker stopped while exporting (no heartbeat); POST /v1/models/{model}/export starts it again"
         return {**state, "status": "failed", "error": {"code": "worker_lost", "message": message, "param": None}}
-    if state["status"] == "succeeded" and not store.path(archive_key(state["job_id"])).exists():
+    if state["status"] == "succeeded" and not store.exists(archive_key(state["job_id"])):
         message = "the archive is missing from the store; POST /v1/models/{model}/export makes it again"
         return {**state, "status": "failed", "error": {"code": "archive_missing", "message": message, "param": None}}
     return state
@@ -103,7 +103,7 @@ def fine_tuned(session: Session, owner: str, model_id: str) -> Job:
     return job
 
 
-def start(session: Session, store: LocalStore, owner: str, model_id: str) -> dict[str, Any]:
+def start(session: Session, store: ObjectStore, owner: str, model_id: str) -> dict[str, Any]:
     """Start the model's export, or answer with the one already made or under way (a failed one
     starts again). Only the job id travels to the worker."""
     job = fine_tuned(session, owner, model_id)
@@ -127,7 +127,7 @@ def start(session: Session, store: LocalStore, owner: str, model_id: str) -> dic
     return public(job, state)
 
 
-def get(session: Session, store: LocalStore, owner: str, model_id: str) -> dict[str, Any]:
+def get(session: Session, store: ObjectStore, owner: str, model_id: str) -> dict[str, Any]:
     job = fine_tuned(session, owner, model_id)
     state = read(store, job.id)
     if state is None:
@@ -135,7 +135,7 @@ def get(session: Session, store: LocalStore, owner: str, model_id: str) -> dict[
     return public(job, status(store, state))
 
 
-def archive(session: Session, store: LocalStore, owner: str, model_id: str) -> Path:
+def archive(session: Session, store: ObjectStore, owner: str, model_id: str) -> Path:
     """The finished export's zip; a 409 until it has succeeded."""
     export = get(session, store, owner, model_id)
     if export["status"] != "succeeded":
@@ -148,7 +148,7 @@ def archive(session: Session, store: LocalStore, owner: str, model_id: str) -> P
 
 
 # ---- the worker's side (workers/exports.py) -------------------------------------------------------
-def claim(store: LocalStore, job_id: str, token: str) -> bool:
+def claim(store: ObjectStore, job_id: str, token: str) -> bool:
     """Take the export to make it: not when it has succeeded, nor while another worker holds it."""
     state = read(store, job_id) or {"job_id": job_id, "created_at": now()}
     current = status(store, state) if "status" in state else {"status": "queued"}
@@ -159,7 +159,7 @@ def claim(store: LocalStore, job_id: str, token: str) -> bool:
     return True
 
 
-def beat(store: LocalStore, job_id: str, token: str) -> bool:
+def beat(store: ObjectStore, job_id: str, token: str) -> bool:
     """Refresh the heartbeat while the export is this worker's; False once it is not."""
     state = read(store, job_id)
     if state is None or state.get("token") != token or state["status"] != "running":
@@ -168,7 +168,7 @@ def beat(store: LocalStore, job_id: str, token: str) -> bool:
     return True
 
 
-def finish(store: LocalStore, job_id: str, token: str, **result: Any) -> None:
+def finish(store: ObjectStore, job_id: str, token: str, **result: Any) -> None:
     """Record the outcome: ``status`` succeeded (with ``bytes``, ``model_type``, ``dtypes``) or
     failed (with ``error``)."""
     state = read(store, job_id) or {"job_id": job_id, "created_at": now()}

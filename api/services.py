@@ -24,7 +24,7 @@ from kiln.catalog import CARDS, ModelCard
 from kiln.chat import ChatRequest, ImagePart
 from kiln.dataset import LengthBound, Report, decode_data_url, method_takes, parse_prompt
 from kiln.spec import JobRequest, resolve
-from kiln.store import LocalStore
+from kiln.store import ObjectStore
 
 
 # ---- lists -------------------------------------------------------------------------------
@@ -112,7 +112,7 @@ def get_file(session: Session, owner: str, file_id: str) -> File:
     return f
 
 
-def delete_file(session: Session, store: LocalStore, owner: str, file_id: str) -> None:
+def delete_file(session: Session, store: ObjectStore, owner: str, file_id: str) -> None:
     f = get_file(session, owner, file_id)
     f.deleted_at = now()
     session.flush()
@@ -159,7 +159,7 @@ def _dataset_file(session: Session, owner: str, file_id: str | None, param: str,
 
 
 def dataset_report(
-    store: LocalStore,
+    store: ObjectStore,
     settings: Settings,
     f: File,
     images: File | None,
@@ -175,7 +175,7 @@ def dataset_report(
             source,
             settings,
             check_paths=True,
-            tokenize=catalog.token_counter(model, store.root / "models"),
+            tokenize=catalog.token_counter(model, store.model_dir(model, weights=False)),
             length=length,
         )
     finally:
@@ -332,7 +332,7 @@ def check_chat(req: ChatRequest, card: ModelCard, max_pixels: int) -> None:
         )
 
 
-def create_job(session: Session, store: LocalStore, settings: Settings, owner: str, req: JobRequest) -> Job:
+def create_job(session: Session, store: ObjectStore, settings: Settings, owner: str, req: JobRequest) -> Job:
     """Check the request against the model and the datasets, and store it as asked and as
     resolved (kiln.spec.resolve); the job is queued once the caller commits and ``start_job``s."""
     card, parent = start_point(session, owner, req.model)

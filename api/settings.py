@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     broker_url: str = ""  # default: Celery's SQLAlchemy transport on sqlite under home
     queue: str = "kiln"
     store_dir: Path | None = None  # default: home / "store"
+    store_url: str = ""  # file:///path or s3://bucket/prefix (kiln.store.open_store); empty: store_dir
+    store_cache_dir: Path | None = None  # an S3 store's local copies; default: home / "store-cache"
 
     max_upload_bytes: int = 1 << 30  # 1 GiB per uploaded file
     max_line_bytes: int = 8 << 20  # one JSONL line (inline data-URL images make lines long)
@@ -29,8 +31,16 @@ class Settings(BaseSettings):
     max_archive_unpacked_bytes: int = 20 << 30  # zip-bomb guard: declared size of all members
     max_image_pixels: int = 50_000_000  # decompression-bomb guard; the ViT resizes anyway
 
-    rate_limit_per_minute: float = 1200.0  # per API key, per API process; 0 turns it off
-    rate_limit_burst: int = 200
+    rate_limit_per_minute: float = 1200.0  # per API key; 0 turns it off
+    rate_limit_burst: int = 200  # at most this many in any burst/per_minute minutes (200 in 10 s)
+    # Where the counts live: "memory://" (each API process its own), "redis://..." (one budget for
+    # every API process). Empty: the broker's Redis when the broker is Redis, else memory.
+    rate_limit_storage_url: str = ""
+
+    # Observability (api/logs.py, api/observe.py, workers/metrics.py)
+    log_format: str = "json"  # json: one object a line; text: for a person at a terminal
+    metrics_token: str = ""  # when set, the API's /metrics asks for "Authorization: Bearer <token>"
+    worker_metrics_port: int = 0  # a training worker's /metrics port (0: none); one per worker process
 
     lease_seconds: float = 60.0  # a running job whose heartbeat is older than this is re-queued
     heartbeat_seconds: float = 5.0
@@ -67,6 +77,12 @@ class Settings(BaseSettings):
 
     def resolved_broker_url(self) -> str:
         return self.broker_url or f"sqla+sqlite:///{(self.home / 'broker.sqlite').resolve()}"
+
+    def resolved_rate_limit_storage_url(self) -> str:
+        if self.rate_limit_storage_url:
+            return self.rate_limit_storage_url
+        broker = self.resolved_broker_url()
+        return broker if broker.startswith(("redis://", "rediss://")) else "memory://"
 
     def resolved_webhook_queue(self) -> str:
         return self.webhook_queue or f"{self.queue}-webhooks"

@@ -10,7 +10,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
-from kiln.store import LocalStore, TooLarge, Upload
+from kiln.store import ObjectStore, TooLarge, Upload
 
 MAX_FIELD_BYTES = 64 << 10
 
@@ -22,7 +22,7 @@ class Received:
     filename: str = ""
 
 
-async def receive(request: Request, store: LocalStore, limit: int, file_field: str = "file") -> Received:
+async def receive(request: Request, store: ObjectStore, limit: int, file_field: str = "file") -> Received:
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
         raise ApiError(

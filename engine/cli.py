@@ -13,7 +13,8 @@ files), checked as the API checks a request. For example:
     parallel: {nproc: 2, ep_size: 2}             # torchrun: 2 processes, experts split 2 ways
                                                  # (cp_size: 2 splits each sequence over 2 ranks)
 
-Checkpoints, the adapter and the base models live under ``--store`` (default ./kiln-data/store).
+Checkpoints, the adapter and the base models live under ``--store`` (default ./kiln-data/store; or
+``s3://bucket/prefix``, with local copies under ``--cache``, kiln/s3store.py).
 Ctrl-C stops after the current step; ``--resume`` continues from the job's last checkpoint.
 """
 
@@ -31,7 +32,7 @@ import engine
 from engine.reporting import ConsoleReporter
 from kiln.dataset import DatasetError
 from kiln.spec import JobSpec, explain
-from kiln.store import LocalStore
+from kiln.store import open_store
 
 
 def load_spec(path: Path, job_id: str | None) -> JobSpec:
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fine-tune as the config says")
     t.add_argument("config", type=Path)
-    t.add_argument("--store", type=Path, default=Path("kiln-data/store"))
+    t.add_argument("--store", default="kiln-data/store", help="a folder, file:///path or s3://bucket/prefix")
+    t.add_argument("--cache", type=Path, default=Path("kiln-data/store-cache"), help="an S3 store's local copies")
     t.add_argument("--job-id")
     t.add_argument("--resume", action="store_true", help="continue from this job's last checkpoint")
     j = sub.add_parser("spec", help="print the job spec as JSON (for torchrun -m engine.launch)")
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "spec":
         print(spec.to_json())
         return 0
-    store = LocalStore(args.store)
+    store = open_store(args.store, args.cache)
     if args.resume:
         ckpts = sorted(store.path(f"{spec.artifacts}/checkpoints").glob("step-*"))
         spec.resume_from = f"{spec.artifacts}/checkpoints/{ckpts[-1].name}" if ckpts else None

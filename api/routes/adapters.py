@@ -16,7 +16,7 @@ from api import services
 from api.auth import current_owner
 from api.deps import Router, get_session, get_store
 from api.errors import Conflict, responses
-from kiln.store import LocalStore
+from kiln.store import ObjectStore
 
 router = Router(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 ZIP: dict[int | str, dict[str, Any]] = {
@@ -34,7 +34,7 @@ def download_adapter(
     job_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
 ):
     job = services.get_job(session, owner, job_id)
     if job.status != "succeeded" or not job.adapter_key:
@@ -56,7 +56,7 @@ def download_checkpoint_adapter(
     ckpt_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
 ):
     job = services.get_job(session, owner, job_id)
     ckpt = services.get_checkpoint(session, job, ckpt_id)

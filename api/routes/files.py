@@ -21,7 +21,7 @@ from api.schemas import file_public, page
 from api.settings import get_settings
 from api.uploads import receive
 from kiln.catalog import CARDS
-from kiln.store import LocalStore, Upload
+from kiln.store import ObjectStore, Upload
 from kiln.types import DatasetReport, FileDeleted, FileObject, ListOf
 
 router = Router(tags=["files"])
@@ -56,7 +56,7 @@ def _validate_upload(upload: Upload, filename: str) -> tuple[str, dict]:
 
 
 def _store_file(
-    session: Session, store: LocalStore, owner: str, upload: Upload, filename: str, purpose: str, idem: str | None
+    session: Session, store: ObjectStore, owner: str, upload: Upload, filename: str, purpose: str, idem: str | None
 ) -> dict | JSONResponse:
     fp = services.fingerprint(owner, UPLOAD, purpose, filename, upload.sha256())
     try:
@@ -119,7 +119,7 @@ async def upload_file(
     request: Request,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
     idem: str | None = Header(None, alias="Idempotency-Key", max_length=300),
 ):
     """Upload a dataset (JSONL, or a zip holding one and its images) or a zip of images. An
@@ -163,7 +163,7 @@ def delete_file(
     file_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
 ):
     services.delete_file(session, store, owner, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
@@ -174,7 +174,7 @@ def file_report(
     file_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
     model: str = Query("kiln-tiny", json_schema_extra={"enum": list(CARDS)}, description="the base model"),
     images_file: str | None = Query(None, max_length=64, description="a zip of the images the dataset names"),
     max_seq_len: int | None = Query(None, ge=16, le=1 << 20, description="the job's bound on example length"),
@@ -202,7 +202,7 @@ def file_content(
     file_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
 ):
     f = services.get_file(session, owner, file_id)
     media = "application/zip" if f.kind == "zip" else "application/jsonl"

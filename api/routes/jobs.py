@@ -15,7 +15,7 @@ from api.models import Job
 from api.schemas import checkpoint_public, event_public, job_public, page
 from api.settings import get_settings
 from kiln.spec import JobRequest
-from kiln.store import LocalStore
+from kiln.store import ObjectStore
 from kiln.types import Checkpoint, JobEvent, ListOf
 from kiln.types import Job as JobOut
 
@@ -29,7 +29,7 @@ def create_job(
     req: JobRequest,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
     idem: str | None = Header(None, alias="Idempotency-Key", max_length=300),
 ):
     made: list[Job] = []

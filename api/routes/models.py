@@ -15,7 +15,7 @@ from api.auth import current_owner
 from api.deps import Router, get_session, get_store
 from api.errors import not_found, responses
 from kiln.exports import Export
-from kiln.store import LocalStore
+from kiln.store import ObjectStore
 from kiln.types import ListOf, Model
 
 router = Router(prefix="/v1/models", tags=["models"])
@@ -37,7 +37,7 @@ def start_export(
     model_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
 ):
     """Merge the fine-tuned model's adapter into its base, on a worker. Idempotent: the export
     already made or under way is the answer; a failed one starts again."""
@@ -49,7 +49,7 @@ def retrieve_export(
     model_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
 ):
     return exports.get(session, store, owner, model_id)
 
@@ -61,7 +61,7 @@ def download_export(
     model_id: str,
     owner: str = Depends(current_owner),
     session: Session = Depends(get_session),
-    store: LocalStore = Depends(get_store),
+    store: ObjectStore = Depends(get_store),
 ):
     path = exports.archive(session, store, owner, model_id)
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)
