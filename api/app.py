@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 from contextlib import asynccontextmanager
@@ -12,9 +11,10 @@ from fastapi import FastAPI
 from fastapi.responses import RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from api import errors, openapi
+from api import errors, logs, observe, openapi
 from api.errors import responses
 from api.routes import adapters, chat, events, files, jobs, keys, models, webhooks
+from api.settings import get_settings
 
 
 def _end_streams_on_exit() -> None:
@@ -42,7 +42,8 @@ async def lifespan(_app: FastAPI):
 
 
 def create_app() -> FastAPI:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = get_settings()
+    logs.configure(settings.log_format)
     app = FastAPI(
         title="Kiln",
         version="0.1.0",
@@ -50,6 +51,7 @@ def create_app() -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
+    observe.install(app, settings.metrics_token)
     routers = (
         files.router,
         jobs.router,

@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from api import logs
 from api.deps import get_rate_limiter, get_session
 from api.errors import ApiError
 from api.models import ApiKey, now
@@ -54,5 +55,6 @@ def current_owner(request: Request, session: Session = Depends(get_session)) -> 
     session.rollback()  # end the read: the connection goes back to the pool before the route's thread hop
     if found is None or found.revoked_at is not None:
         raise ApiError(401, "Incorrect API key provided", code="invalid_api_key")
+    logs.bind(owner_id=found.owner, key_id=found.id)
     get_rate_limiter().check(found.id)
     return found.owner

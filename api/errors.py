@@ -4,7 +4,8 @@ that maps the services' domain errors to HTTP.
 Services raise ``NotFound``, ``Invalid`` (with ``param``) and ``Conflict``; the transport raises
 ``ApiError`` with its own status (401, 413, 415, 429, 507). A request body that fails validation is
 a 400 naming each field once (``kiln.spec.explain``: no pydantic-internal names, "did you mean"
-for a typo), never FastAPI's 422. Client errors other than 408 and 429 carry
+for a typo), never FastAPI's 422. Every error names its ``request_id`` (also the
+``x-request-id`` header). Client errors other than 408 and 429 carry
 ``x-should-retry: false`` so the OpenAI SDK does not retry what cannot succeed.
 """
 
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api import logs
 from kiln.chat import ChatRequest
 from kiln.spec import JobRequest, SpecError, explain
 from kiln.types import ErrorResponse
@@ -92,6 +94,10 @@ def error_response(
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code, **(extra or {})}}
     headers = dict(headers or {})
+    rid = logs.current().get("request_id")
+    if rid:  # quoted in a support request, it finds the request's log lines
+        body["error"]["request_id"] = rid
+        headers["x-request-id"] = rid
     if 400 <= status < 500 and status not in (408, 429):  # our 409s (finished job, adapter not ready) are final
         headers.setdefault("x-should-retry", "false")
     return JSONResponse(body, status_code=status, headers=headers)

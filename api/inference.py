@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from api import logs
 from api.errors import ApiError
 from api.settings import Settings
 from kiln.chat import Generate
@@ -57,6 +58,12 @@ class Upstream:
         await self.client.aclose()
 
 
+def _request_id() -> dict[str, str]:
+    """The API's request id goes along: the inference server's log lines carry it too."""
+    rid = logs.current().get("request_id")
+    return {"x-request-id": rid} if rid else {}
+
+
 async def open_generation(body: Generate, settings: Settings) -> Upstream:
     """Send the request; return once the server has accepted it (its first byte), or raise its
     error in the API's shape (its 400 for a prompt the model cannot take, passed through), or a
@@ -67,7 +74,10 @@ async def open_generation(body: Generate, settings: Settings) -> Upstream:
     try:
         response = await client.send(
             client.build_request(
-                "POST", "/v1/generate", content=body.model_dump_json(), headers={"content-type": "application/json"}
+                "POST",
+                "/v1/generate",
+                content=body.model_dump_json(),
+                headers={"content-type": "application/json", **_request_id()},
             ),
             stream=True,
         )

@@ -148,7 +148,7 @@ class Client:
                 body = resp.json()
             except ValueError:
                 body = {"error": {"message": resp.text[:500] or resp.reason_phrase}}
-            raise from_response(resp.status_code, body)
+            raise from_response(resp.status_code, body, resp.headers.get("x-request-id"))
         raise AssertionError("unreachable")
 
     @contextmanager

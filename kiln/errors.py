@@ -22,8 +22,9 @@ class APIStatusError(KilnError):
         self.message: str = err.get("message") or f"HTTP {status_code}"
         self.type, self.param, self.code = err.get("type"), err.get("param"), err.get("code")
         self.issues: list[dict[str, Any]] = err.get("issues") or []  # dataset problems: line, field, message
+        self.request_id: str | None = request_id or err.get("request_id")  # the server's log lines carry it
         self.body = body
-        super().__init__(f"{status_code} {self.message}")
+        super().__init__(f"{status_code} {self.message}" + (f" (request {self.request_id})" if self.request_id else ""))
 
 
 class BadRequestError(APIStatusError): ...
@@ -66,6 +67,6 @@ _BY_STATUS = {
 }
 
 
-def from_response(status_code: int, body: dict[str, Any] | None) -> APIStatusError:
+def from_response(status_code: int, body: dict[str, Any] | None, request_id: str | None = None) -> APIStatusError:
     cls = _BY_STATUS.get(status_code, InternalServerError if status_code >= 500 else APIStatusError)
-    return cls(status_code, body)
+    return cls(status_code, body, request_id)

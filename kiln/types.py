@@ -278,6 +278,7 @@ class ErrorBody(_Obj):
     type: str
     param: str | None = None
     code: str | None = None
+    request_id: str | None = None  # also the x-request-id header: quote it when asking for help
 
 
 class ErrorResponse(_Obj):

@@ -12,8 +12,9 @@ the reaper, which also re-sends deliveries that were written but never sent or w
 
 from __future__ import annotations
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import setup_logging, worker_ready, worker_shutdown
 
+from api import logs
 from api.queue import make_celery
 from api.settings import get_settings
 
@@ -22,13 +23,23 @@ app.conf.include = ["workers.tasks"]
 _reaper = None
 
 
+@setup_logging.connect
+def _logs(**_):
+    """Kiln's JSON lines (api/logs.py) instead of Celery's own format."""
+    logs.configure(get_settings().log_format)
+
+
 @worker_ready.connect
-def _start_reaper(**_):
+def _start_reaper(sender=None, **_):
     global _reaper
+    from workers import metrics
     from workers.reaper import Reaper
 
     _reaper = Reaper()
     _reaper.start()
+    pool = type(getattr(sender, "pool", None)).__module__
+    if pool == "celery.concurrency.solo":  # training workers; the webhook sender (threads) has no metrics
+        metrics.serve(get_settings().worker_metrics_port)
 
 
 @worker_shutdown.connect

@@ -45,14 +45,16 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from api import logs
 from api.deps import get_store
+from api.observe import Observe
 from api.settings import Settings, get_settings
 from engine.inference import Batcher, Handle, Sampling
 from engine.model.registry import ensure_builtin
 from kiln.chat import DEFAULT_MAX_TOKENS, Generate
 from kiln.dataset import parse_prompt
 from kiln.spec import explain
-from kiln.store import LocalStore
+from kiln.store import ObjectStore
 
 log = logging.getLogger("kiln.inference")
 
@@ -75,7 +77,7 @@ class Models:
     """The base models' engines, each loaded once on first use (two first requests for one base
     load it once; a load holds up only that base's requests), and the adapters they hold."""
 
-    def __init__(self, store: LocalStore, settings: Settings):
+    def __init__(self, store: ObjectStore, settings: Settings):
         self.store, self.settings = store, settings
         self.batchers: dict[str, Batcher] = {}
         self.open = 0  # answers being streamed (changed on the event loop only)
@@ -201,6 +203,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         models.close()
 
     app = FastAPI(title="Kiln inference server", lifespan=lifespan, openapi_url=None)
+    app.add_middleware(Observe)  # the API's request id (x-request-id) on this server's lines too
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_req: Request, exc: RequestValidationError):
@@ -229,12 +232,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = get_settings()
+    logs.configure(settings.log_format)
     url = urlsplit(settings.inference_url)
     if url.hostname is None or url.port is None:
         raise SystemExit(f"KILN_INFERENCE_URL must name a host and a port: {settings.inference_url!r}")
-    uvicorn.run(create_app(settings), host=url.hostname, port=url.port, log_level="warning", timeout_keep_alive=75)
+    uvicorn.run(
+        create_app(settings),
+        host=url.hostname,
+        port=url.port,
+        log_level="warning",
+        log_config=None,
+        timeout_keep_alive=75,
+    )
 
 
 if __name__ == "__main__":

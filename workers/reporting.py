@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from api import lifecycle
 from api.db import session_scope
 from api.models import Checkpoint, Job, JobEvent
+from workers import metrics
 
 log = logging.getLogger("kiln.worker")
 
@@ -59,6 +60,7 @@ class DBReporter:
     def metrics(self, step: int, values: dict[str, Any]) -> None:
         """One metrics event per step: a resumed run replays the steps after its checkpoint (to
         the same losses) and their events are not written twice."""
+        metrics.observe_step(values)
         loss = values.get("train_loss")
         text = (
             f"Step {step}/{values.get('total_steps', '?')}: training loss={loss:.4f}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from api import webhooks
+from api import logs, webhooks
 from api.exports import EXPORT_TASK
 from api.queue import RUN_TASK, WEBHOOK_TASK
 from workers.celery_app import app
@@ -26,4 +26,5 @@ def export_model(job_id: str) -> str:
     """On the training queue: the merge loads the whole model, as training does (api/exports.py)."""
     from workers.exports import run_export
 
-    return run_export(job_id)
+    with logs.context(job_id=job_id):
+        return run_export(job_id)

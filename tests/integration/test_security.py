@@ -1,10 +1,13 @@
-"""Owner isolation on every route, archive and image bombs, oversized lines, per-key rate limits."""
+"""Owner isolation on every route, archive and image bombs, oversized lines, per-key rate limits
+(one budget across API processes)."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import signal
 import zipfile
 
 import httpx
@@ -13,6 +16,7 @@ from PIL import Image
 
 import kiln
 from tests.conftest import wait_for
+from tests.stack import free_port
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -154,3 +158,23 @@ def test_rate_limit_per_key(make_pg_stack):
         assert c.files.list().data == []
     r = httpx.get(f"{stack.base_url}/v1/files", headers={"Authorization": "Bearer sk-kiln-wrong"})
     assert r.status_code == 401  # a bad key is refused before it can spend anyone's budget
+
+    # A second API process: with the counts in Redis (the broker's, by default) both spend one
+    # budget; with each process counting for itself, 10 requests would pass here, not 5.
+    second = stack.start_api("api2", port := free_port())
+    try:
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), timeout=60, what="the second API")
+        carol = {"Authorization": f"Bearer {stack.admin('create-key', '--owner', 'carol')}"}
+        urls = [stack.base_url, f"http://127.0.0.1:{port}"] * 5
+        codes = [httpx.get(f"{u}/v1/files", headers=carol).status_code for u in urls]
+        assert sorted(codes) == [200] * 5 + [429] * 5 and codes[:5] == [200] * 5, codes
+    finally:
+        os.killpg(second.pid, signal.SIGTERM)
+        second.wait(timeout=20)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
