@@ -11,13 +11,13 @@ worker runs many jobs, so they are unfrozen when the job ends.
 from __future__ import annotations
 
 import gc
-import resource
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from engine import device as accelerator
 from engine.config import ModelConfig, count_parameters
 from engine.data import Dataset, ImageCache, epoch_batches, split
 from engine.inference.evaluate import exact_match
@@ -32,12 +32,6 @@ from engine.training.step import accumulate, dpo_accumulate, dpo_evaluate, evalu
 from kiln.dataset import DatasetError, Issue, LengthBound, method_takes
 from kiln.spec import JobSpec
 from kiln.tokenizer import chat_template, load_tokenizer
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class Trainer:
@@ -197,11 +191,12 @@ class Trainer:
             **(dpo or {"train_mean_token_accuracy": right / max(n, 1)}),
             "learning_rate": self.sched.get_last_lr()[0],
             "grad_norm": float(grad_norm),
-            "tokens_per_second": seen / (time.perf_counter() - t0),
+            "step_seconds": (seconds := time.perf_counter() - t0),
+            "tokens_per_second": seen / seconds,
             "trained_tokens": self.tokens,
             "rows": rows,
             "skipped_steps": self.skipped,
-            "peak_memory_mb": peak_memory_mb(self.ranks.device),
+            "peak_memory_mb": accelerator.peak_memory_mb(self.ranks.device),
         }
         if self.swap is not None and self.swap.ops:  # what Swap Core kept at its fullest this step
             metrics.update({f"swap_{tier}_mb": self.swap.peak[tier] / 2**20 for tier in ("device", "host")})

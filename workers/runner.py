@@ -16,13 +16,14 @@ from pathlib import Path
 from sqlalchemy import select
 
 import engine
-from api import lifecycle
+from api import lifecycle, logs
 from api.db import session_scope
 from api.deps import get_store
 from api.models import Checkpoint, File, Job
 from api.settings import get_settings
 from kiln.dataset import DatasetError
 from kiln.spec import JobSpec
+from workers import metrics
 from workers.reporting import DBReporter
 from workers.tracking import Tracked
 
@@ -70,10 +71,10 @@ def build_spec(job: Job) -> JobSpec:
 
 
 def worker_kind() -> str:
-    """What the job ran on, for the time estimates: the GPU's name, else "cpu"."""
-    import torch
+    """What the job ran on, for the time estimates: the accelerator's name, else "cpu"."""
+    from engine import device
 
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return device.name(device.resolve())
 
 
 class Heartbeat(threading.Thread):
@@ -95,6 +96,14 @@ class Heartbeat(threading.Thread):
 
 
 def run_job(job_id: str) -> str:
+    with logs.context(job_id=job_id):
+        outcome = _run_job(job_id)
+        log.info("job %s", outcome, extra={"outcome": outcome})
+    metrics.FINISHED.labels(outcome).inc()
+    return outcome
+
+
+def _run_job(job_id: str) -> str:
     token = secrets.token_hex(8)
     job = claim(job_id, token)
     if job is None:
@@ -103,6 +112,8 @@ def run_job(job_id: str) -> str:
     reporter = DBReporter(job_id, token)
     beat = Heartbeat(reporter)
     beat.start()
+    metrics.RUNNING.inc()
+    log.info("job started (model %s, owner %s)", job.model, job.owner, extra={"owner_id": job.owner})
     t0 = time.monotonic()
 
     def measured() -> dict:
@@ -141,6 +152,7 @@ def run_job(job_id: str) -> str:
         return "failed"
     finally:
         beat.done.set()
+        metrics.RUNNING.dec()
     if result.status == "succeeded":
         suffix = job.suffix or ""
         track("succeeded", get_store().path(result.adapter_key) if result.adapter_key else None)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from engine import device as accelerator
 from engine.inference.adapters import Adapters
 from engine.inference.decode import Chunk, Decoder, Prompt, Sampling, encode_prompt, pixels_of
 from engine.model.registry import load_base, position_limit
@@ -74,10 +75,10 @@ class Handle:
 
 class Batcher:
     def __init__(self, model_dir: Path, device: str | torch.device | None = None, max_batch: int = 8):
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = accelerator.resolve(device)
         model = load_base(Path(model_dir)).eval()
         model.to(self.device)
-        if self.device.type == "cuda":
+        if accelerator.accelerated(self.device):
             to_bf16(model)
         self.model = model
         self.tok = load_tokenizer(Path(model_dir))

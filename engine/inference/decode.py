@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import device as accelerator
 from engine.data import image_tensor
 from engine.inference.adapters import Routing, routes
 from engine.inference.cache import Cache, offsets
@@ -94,9 +95,9 @@ class Decoder:
         self.model: Any = model  # a family's CausalLM: ``hidden`` and ``lm_head``
         self.tok, self.tpl, self.emit = tok, tpl, emit
         self.device = next(model.parameters()).device
-        # bf16 autocast on CUDA where some matmul weight is wider (a training model: its fp32 LoRA
-        # factors and master weights); a model kept in bf16 runs as it is
-        self.autocast = self.device.type == "cuda" and any(
+        # bf16 autocast on an accelerator where some matmul weight is wider (a training model: its
+        # fp32 LoRA factors and master weights); a model kept in bf16 runs as it is
+        self.autocast = accelerator.accelerated(self.device) and any(
             m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, nn.Linear)
         )
         self.cache = Cache(slots, self.device)
@@ -121,10 +122,9 @@ class Decoder:
         flat, positions, last = both[:L][None], both[L : 2 * L][None], both[2 * L :]
         docs = docs[None]  # the documents stay on the host: the layers read their offsets there
         routing = Routing(adapters, offsets(new).tolist())
-        dev = self.device.type
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.autocast), routes(routing):
+        with accelerator.autocast(self.device, self.autocast), routes(routing):
             h = self.model.hidden(flat, pixels, docs, positions, self.cache)
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=self.autocast):
+        with accelerator.autocast(self.device, self.autocast):
             logits = self.model.lm_head(h[0, last])
         self.cache.advance()
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

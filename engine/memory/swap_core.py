@@ -68,6 +68,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from engine import device as accelerator
 from engine.model.common import recompute
 from kiln.spec import MemorySpec
 from kiln_kernels.dispatch import keeping
@@ -135,7 +136,7 @@ class _Frame:
 
     kept: dict[Any, deque] = field(default_factory=lambda: defaultdict(deque))
     fetched: bool = False
-    ready: torch.cuda.Event | None = None  # set when the copies back to the device are done
+    ready: Any = None  # the device's event, set when the copies back to the device are done
 
     def leaves(self) -> Iterator[_Kept]:
         """Every kept tensor not yet handed back."""
@@ -157,7 +158,7 @@ class SwapCore:
         self.frames: list[weakref.ref] = []  # blocks of the forward not yet recomputed, in order
         self.live = {"device": 0, "host": 0}  # bytes kept now
         self.peak = {"device": 0, "host": 0}  # the most kept at once since reset_peaks()
-        self._stream: torch.cuda.Stream | None = None
+        self._stream: Any = None  # the side stream of the device the kept tensors are on
         self.outgoing: list[_Kept] = []  # host-tier outputs of the latest block, still on the device
         self.sent = 0  # bytes kept so far in this forward
         self.per_forward: int | None = None  # bytes the last whole forward kept (tier auto's plan)
@@ -195,9 +196,9 @@ class SwapCore:
         self.peak = dict(self.live)
 
     # -- keeping and giving back --------------------------------------------------------------
-    def stream(self) -> torch.cuda.Stream:
+    def stream(self, device: torch.device) -> Any:
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
+            self._stream = accelerator.module(device).Stream(device)
         return self._stream
 
     def _count(self, tier: str, nbytes: int) -> None:
@@ -233,7 +234,7 @@ class SwapCore:
         self.sent += nbytes
         self._count(tier, nbytes)
         k = _Kept(data, scale, x.shape, x.dtype, x.device, tier, nbytes, x._version, alias=x)
-        if tier == "host" and x.is_cuda:
+        if tier == "host" and accelerator.accelerated(x.device):
             self.outgoing.append(k)  # copied out when the next block starts (see send_out)
         return k
 
@@ -255,9 +256,10 @@ class SwapCore:
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A pinned host copy, made on the side stream after the compute that wrote ``t``."""
-        s = self.stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+        on = accelerator.module(t.device)
+        s = self.stream(t.device)
+        s.wait_stream(on.current_stream(t.device))
+        with on.stream(s):
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
         t.record_stream(s)  # the device memory is reused only after the copy
@@ -271,19 +273,21 @@ class SwapCore:
         todo = [k for k in frame.leaves() if k.tier == "host" and k.data.device != k.device]
         if not todo:
             return
-        s = self.stream()  # the copies out were queued on this stream too: they come first
-        with torch.cuda.stream(s):
+        device = todo[0].device
+        on = accelerator.module(device)
+        s = self.stream(device)  # the copies out were queued on this stream too: they come first
+        with on.stream(s):
             for k in todo:
                 k.data = k.data.to(k.device, non_blocking=True)
                 k.version = k.data._version  # a new tensor: the in-place check starts from its count
                 if k.scale_N1 is not None:
                     k.scale_N1 = k.scale_N1.to(k.device, non_blocking=True)
-            frame.ready = torch.cuda.Event()
+            frame.ready = on.Event()
             frame.ready.record(s)
         for k in todo:  # used and freed on the compute stream
-            k.data.record_stream(torch.cuda.current_stream())
+            k.data.record_stream(on.current_stream(device))
             if k.scale_N1 is not None:
-                k.scale_N1.record_stream(torch.cuda.current_stream())
+                k.scale_N1.record_stream(on.current_stream(device))
 
     def give_back(self, k: _Kept) -> torch.Tensor:
         """The kept output as the recompute's op returns it."""
@@ -410,7 +414,7 @@ class _Reuse(_Phase):
         if nxt is not None:
             self.core.fetch(nxt)  # the next block's copies overlap this block's compute
         if self.frame.ready is not None:
-            torch.cuda.current_stream().wait_event(self.frame.ready)
+            self.frame.ready.wait()  # the compute stream waits for the copies back
         return super().__enter__()
 
     def __exit__(self, *exc):

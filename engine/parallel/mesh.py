@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from engine import device as accelerator
+
 
 @dataclass
 class Mesh:
@@ -74,20 +76,17 @@ class Mesh:
 
 
 def init_mesh(ep_size: int = 1, cp_size: int = 1) -> Mesh:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU) and build the mesh.
-    ``ep_size`` and ``cp_size`` must divide the world size."""
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    """Join the process group torchrun describes (NCCL on CUDA, HCCL on an NPU, gloo on the CPU)
+    and build the mesh. ``ep_size`` and ``cp_size`` must divide the world size."""
+    device = accelerator.local_device()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(accelerator.dist_backend(device))
     world = dist.get_world_size()
     if ep_size < 1 or world % ep_size:
         raise ValueError(f"parallel.ep_size {ep_size} must divide the number of processes ({world})")
     if cp_size < 1 or world % cp_size:
         raise ValueError(f"parallel.cp_size {cp_size} must divide the number of processes ({world})")
-    kind = "cuda" if cuda else "cpu"
-    device = torch.device(kind, torch.cuda.current_device()) if cuda else torch.device("cpu")
+    kind = device.type
     context = (
         init_device_mesh(kind, (world // cp_size, cp_size), mesh_dim_names=("data", "cp")) if cp_size > 1 else None
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine import device as accelerator
 from engine.spec import Store
 
 
@@ -22,8 +23,8 @@ def trainer_state(step: int, tokens: int, sched, opt=None) -> dict:
         "tokens": tokens,
         "scheduler": sched.state_dict(),
         **({"optimizer": opt.state_dict()} if opt is not None else {}),
-        "rng": torch.get_rng_state(),  # dropout on a GPU draws from the CUDA generators
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "rng": torch.get_rng_state(),  # dropout on an accelerator draws from its own generators
+        "device_rng": accelerator.rng_state(),
     }
 
 
@@ -57,8 +58,9 @@ class SingleFile:
             opt.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"])
         sched.load_state_dict(state["scheduler"])
-        if state.get("cuda_rng") is not None and torch.cuda.is_available() and mesh is None:
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        if mesh is None:  # (a checkpoint from before the device layer named CUDA's alone)
+            old = state.get("cuda_rng")
+            accelerator.set_rng_state(state.get("device_rng") or ({"kind": "cuda", "states": old} if old else None))
         return state["step"], state["tokens"]
 
 

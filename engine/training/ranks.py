@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import device as accelerator
 from engine.data import collate
 from engine.lora import store_frozen
 from engine.spec import Reporter
@@ -35,7 +36,7 @@ class Single:
     rank0 = True
 
     def __init__(self, device: torch.device | None = None):
-        self.device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device or accelerator.resolve()
         self.mesh: Mesh | None = None
 
     def share(self, items: list, parts: int | None = None, size: int | None = None) -> list[list]:
@@ -55,7 +56,7 @@ class Single:
         return reporter.should_stop()
 
     def place(self, model: torch.nn.Module, full: bool, reporter: Reporter) -> None:
-        if self.device.type == "cuda" and not full:  # the steps run under bf16 autocast
+        if accelerator.accelerated(self.device) and not full:  # the steps run under bf16 autocast
             store_frozen(model, torch.bfloat16)  # (FSDP2 shards one dtype per group: not with a mesh)
         model.to(self.device)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from engine import device as accelerator
 from engine.data import IGNORE, Dataset, collate
 from engine.lora import adapters_off
 
@@ -17,7 +18,7 @@ def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=Non
     ids = batch["input_ids_BT"].to(device)
     labels = batch["labels_BT"].to(device)
     docs, pos = (batch[k].to(device) if batch[k] is not None else None for k in ("doc_ids_BT", "positions_BT"))
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with accelerator.autocast(device):
         loss, right = model(ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels, past=cp)  # no logits
     return loss, int((labels[:, 1:] != IGNORE).sum()), int(right)
 
