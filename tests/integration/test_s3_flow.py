@@ -45,6 +45,7 @@ def test_a_job_on_s3_resumes_on_another_worker_with_nothing_shared(s3_stack, s3_
         stack.kill_worker(stack.workers[0])  # SIGKILL: no clean-up, no ack
         killed_at = max(ck["step_number"] for ck in ckpts)
         assert killed_at < STEPS, "the job ended before the worker was killed"
+        assert c.get(f"/v1/fine_tuning/jobs/{job_id}").json()["status"] == "running"  # until the lease runs out
         done = finished(c, job_id)
         assert done["status"] == "succeeded", done["error"]
         assert done["attempt"] == 2
@@ -52,6 +53,8 @@ def test_a_job_on_s3_resumes_on_another_worker_with_nothing_shared(s3_stack, s3_
         resumed = [e["data"]["step"] for e in events if e["message"].startswith("Resumed from the checkpoint")]
         assert resumed and resumed[0] >= killed_at
         assert sorted(e["data"]["step"] for e in events if e["type"] == "metrics") == list(range(1, STEPS + 1))
+        requeued = "The worker stopped responding; the job is queued again and resumes from its last checkpoint"
+        assert requeued in [e["message"] for e in events]
 
         adapter = c.get(f"/v1/fine_tuning/jobs/{job_id}/adapter")
         assert adapter.status_code == 200
