@@ -35,12 +35,11 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.store import Upload, check_sha
+from kiln.store import Publishing, Upload, check_sha
 
 # what a base model's folder holds besides its config and tokenizer: skipped by model_dir(weights=False)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".distcp")
@@ -59,7 +58,7 @@ def _missing(e: Exception) -> bool:
     return getattr(e, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
 
 
-class S3Store:
+class S3Store(Publishing):
     def __init__(
         self,
         bucket: str,
@@ -277,28 +276,8 @@ class S3Store:
     def exists(self, key: str) -> bool:
         return bool(self._list(self._artifact(key)[1]))
 
-    @contextmanager
-    def publish_dir(self, key: str) -> Iterator[Path]:
-        """Yield an empty temp folder; on success its files replace whatever ``key`` held."""
-        tmp = Path(tempfile.mkdtemp(dir=self.tmp, prefix="artifact-"))
-        try:
-            yield tmp
-            self._publish(tmp, key)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    @contextmanager
-    def publish_file(self, key: str) -> Iterator[Path]:
-        fd, name = tempfile.mkstemp(dir=self.tmp, prefix="artifact-")
-        os.close(fd)
-        tmp = Path(name)
-        try:
-            yield tmp
-            self._publish(tmp, key)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    def _publish(self, src: Path, key: str) -> None:
+    def _place(self, src: Path, key: str) -> None:
+        """A finished publication: its files replace whatever ``key`` held, in the bucket and here."""
         local, name = self._artifact(key)
         if src.is_dir():
             files = {p.relative_to(src).as_posix(): p for p in sorted(src.rglob("*")) if p.is_file()}

@@ -126,7 +126,37 @@ def open_store(url: str | Path, cache_dir: Path | None = None, **options: Any) -
     return LocalStore(Path(text))
 
 
-class LocalStore:
+class Publishing:
+    """``publish_dir`` / ``publish_file``: a temp folder or file in the store's ``tmp``, handed to
+    the store's ``_place`` when the block succeeds, removed either way."""
+
+    tmp: Path
+
+    def _place(self, tmp: Path, key: str) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def publish_dir(self, key: str) -> Iterator[Path]:
+        tmp = Path(tempfile.mkdtemp(dir=self.tmp, prefix="artifact-"))
+        try:
+            yield tmp
+            self._place(tmp, key)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @contextmanager
+    def publish_file(self, key: str) -> Iterator[Path]:
+        fd, name = tempfile.mkstemp(dir=self.tmp, prefix="artifact-")
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            yield tmp
+            self._place(tmp, key)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+class LocalStore(Publishing):
     def __init__(self, root: Path):
         self.root = Path(root)
         self.tmp = self.root / "tmp"
@@ -170,26 +200,9 @@ class LocalStore:
         """Whether an artifact is published (a remote store checks without fetching it)."""
         return self.path(key).exists()
 
-    @contextmanager
-    def publish_dir(self, key: str) -> Iterator[Path]:
-        """Yield an empty temp folder; on success it replaces ``key`` in one rename."""
-        tmp = Path(tempfile.mkdtemp(dir=self.tmp, prefix="artifact-"))
-        try:
-            yield tmp
-            self._swap_in(tmp, self.path(key))
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    @contextmanager
-    def publish_file(self, key: str) -> Iterator[Path]:
-        fd, name = tempfile.mkstemp(dir=self.tmp, prefix="artifact-")
-        os.close(fd)
-        tmp = Path(name)
-        try:
-            yield tmp
-            self._swap_in(tmp, self.path(key))
-        finally:
-            tmp.unlink(missing_ok=True)
+    def _place(self, tmp: Path, key: str) -> None:
+        """A finished publication replaces ``key`` in one rename."""
+        self._swap_in(tmp, self.path(key))
 
     def _swap_in(self, tmp: Path, dest: Path) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
