@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kiln_kernels.attention import reference
-from kiln_kernels.dispatch import fast
+from kiln_kernels.dispatch import impl
 
 
 def varlen_attention(
@@ -20,11 +20,9 @@ def varlen_attention(
 ) -> torch.Tensor:
     """q [T, H, D] against k [S, H, D], v [S, H, E], documents cut by the host offsets ``cu_q`` and
     ``cu_k`` (``cu_k`` None: the same as ``cu_q``); o [T, H, E]. See reference.py."""
-    if fast(q_THD, k_SHD, v_SHE):
-        from kiln_kernels.attention import flash
-
-        return flash.varlen_attention(q_THD, k_SHD, v_SHE, cu_q, cu_k, scale)
-    return reference.per_document(q_THD, k_SHD, v_SHE, cu_q, cu_k, scale)
+    chosen = impl("varlen_attention", q_THD, k_SHD, v_SHE)
+    run = reference.per_document if chosen is reference else chosen.varlen_attention
+    return run(q_THD, k_SHD, v_SHE, cu_q, cu_k, scale)
 
 
 __all__ = ["varlen_attention"]

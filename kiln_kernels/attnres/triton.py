@@ -100,7 +100,7 @@ class _DepthAttention(torch.autograd.Function):
         v, w_D, lse = ctx.saved_tensors
         L, N, D = v.shape
         dv = torch.empty_like(v)
-        programs = max(1, min(N, 4 * sms(v)))
+        programs = max(1, min(N, 4 * sms(v, vector=True)))  # no dot: vector cores on an NPU
         rows = -(-N // programs) if N else 1
         dw = torch.zeros((programs, D), dtype=torch.float32, device=v.device)
         block = triton.next_power_of_2(D)

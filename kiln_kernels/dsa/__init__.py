@@ -1,21 +1,16 @@
-"""DeepSeek Sparse Attention: ``reference.py`` (the definition, CPU) and ``triton.py`` (CUDA), one
+"""DeepSeek Sparse Attention: ``reference.py`` (the definition, CPU) and ``triton.py`` (CUDA and Ascend), one
 signature; each function picks by device (``kiln_kernels.dispatch``)."""
 
 from __future__ import annotations
 
 import torch
 
-from kiln_kernels.dispatch import fast, kept
-from kiln_kernels.dsa import reference
+from kiln_kernels.dispatch import impl, kept
 from kiln_kernels.dsa.reference import allowed_keys, indexer_scores
 
 
 def _impl(*tensors: torch.Tensor):
-    if fast(*tensors):
-        from kiln_kernels.dsa import triton as impl  # imports triton: CUDA machines only
-
-        return impl
-    return reference
+    return impl("dsa", *tensors)  # the Triton module (imports triton: accelerator machines only) or the reference
 
 
 @torch.library.custom_op("kiln::indexer_topk", mutates_args=())

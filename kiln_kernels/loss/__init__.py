@@ -1,14 +1,11 @@
 """Linear + cross-entropy without the full logits: ``reference.py`` (the definition, CPU) and
-``triton.py`` (CUDA), one signature; ``linear_cross_entropy`` picks by device."""
+``triton.py`` (CUDA and Ascend), one signature; ``linear_cross_entropy`` picks by device."""
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from kiln_kernels.dispatch import fast
-from kiln_kernels.loss import reference
+from kiln_kernels.dispatch import impl
 
 
 def linear_cross_entropy(
@@ -20,12 +17,9 @@ def linear_cross_entropy(
     vocab_chunk: int = 16384,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy over the targets, how many of them the argmax gets right)."""
-    impl: ModuleType  # the Triton module or the reference
-    if fast(h_ND, W_VD):
-        from kiln_kernels.loss import triton as impl  # imports triton: CUDA machines only
-    else:
-        impl = reference
-    return impl.linear_cross_entropy(h_ND, W_VD, labels_N, ignore_index, token_chunk, vocab_chunk)
+    return impl("linear_cross_entropy", h_ND, W_VD).linear_cross_entropy(
+        h_ND, W_VD, labels_N, ignore_index, token_chunk, vocab_chunk
+    )
 
 
 __all__ = ["linear_cross_entropy"]

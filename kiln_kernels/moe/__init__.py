@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from kiln_kernels.dispatch import fast
+from kiln_kernels.dispatch import impl
 from kiln_kernels.moe import reference
 from kiln_kernels.moe.reference import Lora
 
@@ -24,11 +24,9 @@ def grouped_mlp(
     lora: Lora | None = None,
     scaling: float = 1.0,
 ) -> torch.Tensor:
-    if fast(x_MD):
-        from kiln_kernels.moe import grouped
-
-        if grouped.usable(x_MD, gate_up_E2ID, down_EDI, lora):
-            return grouped.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
+    chosen = impl("grouped_mlp", x_MD)
+    if chosen is not reference and chosen.usable(x_MD, gate_up_E2ID, down_EDI, lora):
+        return chosen.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
     return reference.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.model.common.layers import RMSNorm, autocast_input, f32
 from engine.model.common.recompute import recomputing
-from kiln_kernels.dispatch import fast
+from kiln_kernels.dispatch import backend, impl
 from kiln_kernels.moe import grouped_mlp
 
 
@@ -124,8 +124,8 @@ class Experts(nn.Module):
         order = torch.argsort(flat, stable=True)
         tok = order // idx_NK.shape[1]
         counts = counts_of(flat[order], self.gate_up_proj.shape[0])
-        if fast(x_ND):  # Triton: each token sums its k rows in one program (no atomics)
-            from kiln_kernels.moe import triton as moe_kernels
+        if backend(x_ND) != "reference":  # Triton (CUDA, Ascend): a token sums its k rows in one program
+            moe_kernels = impl("moe_permute", x_ND)
 
             inv = torch.empty_like(order)
             inv[order] = torch.arange(order.numel(), device=order.device)
