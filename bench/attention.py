@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.cuda_time import median_ms
+from bench.cuda_time import DEV, median_ms
+from engine import device as accelerator
 from kiln_kernels.attention import flash
 from kiln_kernels.attention.reference import document_mask
 
@@ -33,9 +34,9 @@ H, D, E = 32, 192, 128
 
 
 def inputs(T: int, doc: int):
-    g = torch.Generator(device="cuda").manual_seed(T + doc)
-    q, k = (torch.randn(T, H, D, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(2))
-    v = torch.randn(T, H, E, device="cuda", generator=g).bfloat16().requires_grad_()
+    g = torch.Generator(device=DEV).manual_seed(T + doc)
+    q, k = (torch.randn(T, H, D, device=DEV, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(T, H, E, device=DEV, generator=g).bfloat16().requires_grad_()
     cu = torch.arange(0, T + 1, doc or T)
     return q, k, v, cu
 
@@ -43,8 +44,8 @@ def inputs(T: int, doc: int):
 def flex_method(T: int, cu: torch.Tensor):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device="cuda"), cu.diff().cuda())
-    mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T, device="cuda")
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1, device=DEV), cu.diff().to(DEV))
+    mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, T, T, device=DEV)
     compiled = torch.compile(flex_attention)
     return lambda q, k, v: compiled(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=mask, scale=D**-0.5
@@ -65,7 +66,7 @@ def methods(T: int, cu: torch.Tensor) -> dict:
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=D**-0.5, **kw
     )[0].transpose(0, 1)
     if T <= 32768:
-        mask = document_mask(cu, cu, "cuda")
+        mask = document_mask(cu, cu, DEV)
         out["sdpa mask"] = lambda q, k, v: sdpa(q, k, v, attn_mask=mask)
     if len(cu) == 2:
         out["sdpa causal"] = lambda q, k, v: sdpa(q, k, v, is_causal=True)
@@ -76,17 +77,17 @@ def measure(fn, q, k, v) -> dict:
     do = torch.randn_like(fn(q, k, v))
     t0 = time.perf_counter()
     fn(q, k, v).backward(do)  # compiles, where it compiles
-    torch.cuda.synchronize()
+    accelerator.synchronize(DEV)
     first = time.perf_counter() - t0
     with torch.no_grad():
         f = median_ms(lambda: fn(q, k, v), 5, 2)
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    accelerator.reset_peak(DEV)
+    base = accelerator.allocated(DEV)
     fb = median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), 5, 2)
     return {
         "fwd_ms": f,
         "fwd_bwd_ms": fb,
-        "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "peak_gib": (accelerator.max_allocated(DEV) - base) / 2**30,
         "first_call_s": first,
     }
 
@@ -97,7 +98,7 @@ def main() -> None:
     p.add_argument("--doc", type=int, nargs="+", default=[0, 4096])
     p.add_argument("--out", default="bench/results/attention.json")
     a = p.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; H {H}, q/k {D}, v {E}, bf16")
+    print(f"{accelerator.name(DEV)}, torch {torch.__version__}; H {H}, q/k {D}, v {E}, bf16")
     print(
         "| tokens | documents | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | peak GiB | "
         "first call s | fwd+bwd vs flash |"
@@ -115,7 +116,7 @@ def main() -> None:
                     res[name] = measure(fn, q, k, v)
                 except (torch.OutOfMemoryError, RuntimeError) as e:
                     print(f"{T} / {doc or T}: {name} failed: {str(e)[:200]}", file=sys.stderr, flush=True)
-                    torch.cuda.empty_cache()
+                    accelerator.empty_cache(DEV)
             base = res.get("flash")
             for name, m in res.items():
                 row = {
@@ -135,12 +136,12 @@ def main() -> None:
                     flush=True,
                 )
             del q, k, v
-            torch.cuda.empty_cache()
+            accelerator.empty_cache(DEV)
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(
                 json.dumps(
                     {
-                        "device": torch.cuda.get_device_name(),
+                        "device": accelerator.name(DEV),
                         "torch": torch.__version__,
                         "heads": H,
                         "qk_dim": D,

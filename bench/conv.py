@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from bench.cuda_time import pass_row, report
+from bench.cuda_time import DEV, pass_row, report
+from engine import device as accelerator
 from kiln_kernels.conv import reference
 from kiln_kernels.conv import triton as ours
 
@@ -56,11 +57,11 @@ def main(argv: list[str] | None = None) -> dict:
         (32768, 24576, 4096, 0),
         (16384, 4096, 4096, 128),
     ]:
-        g = torch.Generator(device="cuda").manual_seed(T + C)
-        x = torch.randn(1, T, C, device="cuda", generator=g).bfloat16().requires_grad_()
-        w = (torch.randn(C, 1, 4, device="cuda", generator=g) * 0.5).bfloat16()
-        dy = torch.randn(1, T, C, device="cuda", generator=g).bfloat16()
-        cu = torch.arange(0, T + 1, doc, device="cuda") if doc else None
+        g = torch.Generator(device=DEV).manual_seed(T + C)
+        x = torch.randn(1, T, C, device=DEV, generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(C, 1, 4, device=DEV, generator=g) * 0.5).bfloat16()
+        dy = torch.randn(1, T, C, device=DEV, generator=g).bfloat16()
+        cu = torch.arange(0, T + 1, doc, device=DEV) if doc else None
         want = reference.short_conv(x, w, cu, norm)
         base = None
         for name, fn in methods(norm).items():
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
             base = base or row
             rows.append({"T": T, "C": C, "doc": doc, "norm": norm, "method": name, **row})
     return report(
-        f"short conv + SiLU, bf16, width 4, {torch.cuda.get_device_name()}",
+        f"short conv + SiLU, bf16, width 4, {accelerator.name(DEV)}",
         rows,
         {"T": 6, "C": 6, "doc": 5, "norm": 4, "method": 24},
         BASELINE,

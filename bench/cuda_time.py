@@ -1,5 +1,7 @@
-"""The benches' clock: the median of CUDA-event times of a call, after warm-up calls; and the rows
-and table of the memory-bound kernels' benches (forward, forward + backward, GB/s)."""
+"""The benches' clock: the median of device-event times of a call, after warm-up calls; and the rows
+and table of the memory-bound kernels' benches (forward, forward + backward, GB/s). The device is
+``DEV``, the accelerator there is (CUDA, else an Ascend NPU), timed and named through the engine's
+device layer (engine/device.py): on CUDA the same ``torch.cuda`` calls as ever."""
 
 from __future__ import annotations
 
@@ -10,20 +12,23 @@ from pathlib import Path
 
 import torch
 
+from engine import device
+
+
+def default_device() -> torch.device:
+    """The accelerator the benches run on: CUDA, else an Ascend NPU; ``cuda`` where there is
+    neither, so that a GPU bench fails there as it always did."""
+    kind = device.best()
+    return torch.device("cuda" if kind == "cpu" else kind)
+
+
+DEV = default_device()
+
 
 def median_ms(call: Callable[[], object], reps: int, warmup: int) -> float:
     for _ in range(warmup):
         call()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        call()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median([device.elapsed_ms(DEV, call) for _ in range(reps)])
 
 
 def pass_row(
@@ -68,7 +73,7 @@ def report(title: str, rows: list[dict], keys: dict[str, int], baseline: str, ou
             + f" {r['fwd_ms']:>7.3f} {r['fwd_GBps']:>6.0f} {r['fwd_speedup']:>6.2f}x {r['fwd_bwd_ms']:>7.3f} "
             f"{r['fwd_bwd_GBps']:>6.0f} {r['fwd_bwd_speedup']:>6.2f}x {r['rel_err']:>8.1e}"
         )
-    done = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "baseline": baseline, "rows": rows}
+    done = {"device": device.name(DEV), "torch": torch.__version__, "baseline": baseline, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(done, indent=1))
     return done

@@ -16,8 +16,8 @@ Each row: ``batch`` prompts of ``prompt`` random tokens, ``new`` tokens each, gr
 the whole call less a prefill timed apart, a method the CPU's long prefills made useless).
 Memory per sequence: the decode state a sequence holds after its prompt and answer (Kiln: the
 cache's tensors, counted; transformers: the tensors of ``past_key_values``, counted), and its
-KDA layers' part, which does not grow with the length. Both sides in bf16 on CUDA (Kiln: bf16
-weights under bf16 autocast, as its trainer), fp32 on the CPU.
+KDA layers' part, which does not grow with the length. Both sides in bf16 on CUDA or an NPU (Kiln:
+bf16 weights under bf16 autocast, as its trainer), fp32 on the CPU.
 
 Writes bench/results/decode.json: ``{"device", "date", "rows": [{"batch", "prompt", "new",
 "kiln_tokens_per_s", "hf_tokens_per_s", "ratio", "kiln_prefill_s", "hf_prefill_s",
@@ -36,7 +36,9 @@ from typing import Any
 
 import torch
 
+from bench.cuda_time import default_device
 from bench.e2e import EXPERTS, SHAPE, TARGETS, TINY
+from engine import device as accelerator
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode.json"
 
@@ -45,7 +47,7 @@ def build(folder: Path, shape: dict, device: torch.device) -> None:
     import transformers
 
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if accelerator.accelerated(device) else torch.float32
     torch.set_default_dtype(dtype)
     with device:
         model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**shape))
@@ -91,8 +93,7 @@ def tensor_bytes(obj: Any, seen: set | None = None) -> int:
 
 
 def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    accelerator.synchronize(device)
 
 
 def kiln_server(ckpt: Path, adapter: Path, device: torch.device):
@@ -184,7 +185,7 @@ def hf_model(ckpt: Path, adapter: Path, device: torch.device):
     import peft
     import transformers
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if accelerator.accelerated(device) else torch.float32
     base = transformers.KimiLinearForCausalLM.from_pretrained(ckpt, dtype=dtype).to(device)  # type: ignore[arg-type]
     return peft.PeftModel.from_pretrained(base, adapter).eval()
 
@@ -192,7 +193,7 @@ def hf_model(ckpt: Path, adapter: Path, device: torch.device):
 def hf(model, device: torch.device, batch: int, prompt: int, new: int) -> dict:
     g = torch.Generator().manual_seed(prompt)
     ids = torch.randint(
-        3, SHAPE["vocab_size"] if device.type == "cuda" else TINY["vocab_size"], (batch, prompt), generator=g
+        3, SHAPE["vocab_size"] if accelerator.accelerated(device) else TINY["vocab_size"], (batch, prompt), generator=g
     )
     ids = ids.to(device)
 
@@ -245,15 +246,17 @@ def hf(model, device: torch.device, batch: int, prompt: int, new: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--new", type=int, default=None, help="tokens per answer (default 64 on CUDA, 16 on the CPU)")
+    p.add_argument("--device", default=str(default_device()))  # CUDA, else an Ascend NPU
+    p.add_argument(
+        "--new", type=int, default=None, help="tokens per answer (default 64 on an accelerator, 16 on the CPU)"
+    )
     p.add_argument("--ckpt", type=Path, default=None)
     p.add_argument("--sizes", default="1x512,8x512,1x4096,8x4096", help="batch x prompt, comma-separated")
     p.add_argument("--profile", action="store_true", help="profile Kiln's decode steps (batch 8, prompt 512) and stop")
     a = p.parse_args()
     device = torch.device(a.device)
-    new = a.new or (64 if device.type == "cuda" else 16)
-    shape = SHAPE if device.type == "cuda" else TINY
+    new = a.new or (64 if accelerator.accelerated(device) else 16)
+    shape = SHAPE if accelerator.accelerated(device) else TINY
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = a.ckpt or Path(tmp) / "ckpt"
         if not (ckpt / "config.json").exists():
@@ -270,8 +273,7 @@ def main() -> None:
             row.update(kiln(server, device, row["batch"], row["prompt"], new))
         server.close()
         del server
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        accelerator.empty_cache(device)
         model = hf_model(ckpt, adapter, device)
         for row in rows:
             row.update(hf(model, device, row["batch"], row["prompt"], new))
@@ -284,7 +286,7 @@ def main() -> None:
                 f" {row['hf_state_mib_per_seq']:.2f} MiB",
                 flush=True,
             )
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    name = accelerator.name(device)
     out = {"device": name, "date": datetime.date.today().isoformat(), "rows": rows}
     RESULTS.parent.mkdir(exist_ok=True)
     prev = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}

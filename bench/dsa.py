@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.cuda_time import median_ms
+from bench.cuda_time import DEV, median_ms
+from engine import device as accelerator
 from kiln_kernels.dsa import triton as fused
 
 
@@ -105,8 +106,8 @@ def tune(a) -> None:
     """Each attention kernel's candidate block sizes at the first --seq, the others at their
     defaults: the time of the whole attention (forward, target, backward)."""
     T, H, D, E = a.seq[0], a.heads, 576, 512
-    bf: dict[str, Any] = dict(device="cuda", dtype=torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    bf: dict[str, Any] = dict(device=DEV, dtype=torch.bfloat16)
+    g = torch.Generator(device=DEV).manual_seed(0)
     q = torch.randn(1, T, H, D, generator=g, **bf).requires_grad_()
     kv = torch.randn(1, T, 1, D, generator=g, **bf).requires_grad_()
     do = torch.randn(1, T, H, E, generator=g, **bf)
@@ -114,7 +115,7 @@ def tune(a) -> None:
         torch.randn(1, T, 8, 64, generator=g, **bf),
         torch.randn(1, T, 64, generator=g, **bf),
         torch.randn(1, T, 8, generator=g, **bf),
-        torch.zeros(1, T, dtype=torch.long, device="cuda"),
+        torch.zeros(1, T, dtype=torch.long, device=DEV),
         a.topk,
     )
 
@@ -143,8 +144,8 @@ def measure(a, T: int) -> list[dict]:
     """One length: each part's time on both paths and dense SDPA's, a row each (printed as it goes).
     Its tensors are this call's locals, freed when it returns."""
     H, D, E, J, Dh, rope = dims(a)
-    bf: dict[str, Any] = dict(device="cuda", dtype=torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(T)
+    bf: dict[str, Any] = dict(device=DEV, dtype=torch.bfloat16)
+    g = torch.Generator(device=DEV).manual_seed(T)
     qi = torch.randn(T, J, Dh, generator=g, **bf).requires_grad_()
     ki = torch.randn(T, Dh, generator=g, **bf).requires_grad_()
     w = (torch.randn(T, J, generator=g, **bf) * J**-0.5).requires_grad_()
@@ -152,7 +153,7 @@ def measure(a, T: int) -> list[dict]:
     kv = torch.randn(T, D, generator=g, **bf).requires_grad_()
     do = torch.randn(T, H, E, generator=g, **bf)
     scale = (128 + rope) ** -0.5
-    starts = torch.zeros(1, T, dtype=torch.long, device="cuda")
+    starts = torch.zeros(1, T, dtype=torch.long, device=DEV)
     idx = fused.indexer_topk(qi[None], ki[None], w[None], starts, a.topk)
 
     def f_topk():
@@ -221,19 +222,19 @@ def main() -> None:
     H, D, E, J, Dh, _ = dims(a)
     rows = []
     print(
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; H={H}, D={D}, E={E}, index {J}x{Dh}, "
+        f"{accelerator.name(DEV)}, torch {torch.__version__}; H={H}, D={D}, E={E}, index {J}x{Dh}, "
         f"top-{a.topk}, bf16, fwd+bwd"
     )
     print("| T | part | gather ms | Triton ms | Triton / gather | attention TFLOP/s | dense SDPA ms | vs dense |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for T in a.seq:
         rows += measure(a, T)
-        torch.cuda.empty_cache()
+        accelerator.empty_cache(DEV)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(
         json.dumps(
             {
-                "device": torch.cuda.get_device_name(),
+                "device": accelerator.name(DEV),
                 "torch": torch.__version__,
                 "heads": H,
                 "dims": [D, E],

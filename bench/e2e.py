@@ -17,7 +17,7 @@ Kiln packs them into one row as its trainer does, transformers takes them as a b
 ``--steps`` timed steps after the first (the first, with its compiles and autotuning, is
 reported apart as ``first_step_s``, with its Triton compiles: how many, their summed time and
 the slowest, ``first_step_compiles``); tokens/s from the median step; peak memory
-(``torch.cuda.max_memory_allocated``, weights included) over the timed steps. Then one more step
+(the device's ``max_memory_allocated``, weights included) over the timed steps. Then one more step
 under the torch profiler, its GPU time split by op class (``CLASSES``): the forward's ops by the
 module they run in, the backward's by the forward op that made them (autograd's sequence
 numbers), ``host gaps`` = the step's wall time the GPU was idle.
@@ -42,6 +42,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from bench.cuda_time import default_device
+from engine import device as accelerator
 
 SHAPE: dict[str, Any] = dict(
     vocab_size=163840,
@@ -90,7 +93,7 @@ TINY = dict(
 )
 DOC = 4096
 LONG = 32768  # longer rows: Kiln recomputes (Swap Core), transformers checkpoints its layers
-DEV = torch.device("cuda")
+DEV = default_device()  # CUDA, else an Ascend NPU (--check: the CPU)
 TAG = "e2e::"
 CLASSES = ["KDA", "attention", "MoE", "projections + LoRA", "loss", "optimizer", "other"]
 
@@ -221,27 +224,24 @@ def split_by_class(prof, wall_ms: float) -> dict[str, float]:
 
 
 def sync() -> None:
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
+    accelerator.synchronize(DEV)
 
 
 def reset_peak() -> None:
-    if DEV.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    accelerator.reset_peak(DEV)
 
 
 def peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if DEV.type == "cuda" else 0.0
+    return accelerator.max_allocated(DEV) / 2**30
 
 
 def free() -> None:
     gc.collect()
-    if DEV.type == "cuda":
-        torch.cuda.empty_cache()
+    accelerator.empty_cache(DEV)
 
 
 def device_name() -> str:
-    return torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu"
+    return accelerator.name(DEV)
 
 
 class Compiles:
@@ -318,7 +318,7 @@ class Kiln:
             self.model,
             LoraSpec(rank=16, alpha=32, target_modules=TARGETS, target_parameters=EXPERTS if experts else []),
         )
-        if DEV.type == "cuda":  # as the trainer: the steps run under bf16 autocast
+        if accelerator.accelerated(DEV):  # as the trainer: the steps run under bf16 autocast
             store_frozen(self.model, torch.bfloat16)
         self.model.to(DEV).train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -23,14 +23,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.cuda_time import median_ms
+from bench.cuda_time import DEV, median_ms
+from engine import device as accelerator
 from kiln_kernels.kda import reference
 from kiln_kernels.kda import triton as ours
 
 
 def inputs(T: int, H: int, d: int, doc: int) -> tuple[dict, torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(T + H)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    g = torch.Generator(device=DEV).manual_seed(T + H)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=g)
     x = {
         "q": F.normalize(r(1, T, H, d), dim=-1).bfloat16(),
         "k": F.normalize(r(1, T, H, d), dim=-1).bfloat16(),
@@ -38,7 +39,7 @@ def inputs(T: int, H: int, d: int, doc: int) -> tuple[dict, torch.Tensor]:
         "g": reference.kda_gate(r(1, T, H, d), r(H) * 0.5, r(H, d), -5.0),
         "beta": torch.sigmoid(r(1, T, H)).bfloat16(),
     }
-    cu = torch.arange(0, T + 1, doc, device="cuda", dtype=torch.int32)
+    cu = torch.arange(0, T + 1, doc, device=DEV, dtype=torch.int32)
     return {n: t.requires_grad_() for n, t in x.items()}, cu
 
 
@@ -67,18 +68,18 @@ def measure(fn, x, cu) -> dict:
 
     try:
         f = median_ms(fwd, reps=5, warmup=2)
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        accelerator.reset_peak(DEV)
+        base = accelerator.allocated(DEV)
         fb = median_ms(fwd_bwd, reps=5, warmup=2)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        torch.cuda.reset_peak_memory_stats()
+        peak = (accelerator.max_allocated(DEV) - base) / 2**30
+        accelerator.reset_peak(DEV)
         out = fn(x, cu)  # a training forward: its peak, and what it holds for the backward with its outputs
-        held = (torch.cuda.memory_allocated() - base) / 2**30
-        fwd_peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        held = (accelerator.allocated(DEV) - base) / 2**30
+        fwd_peak = (accelerator.max_allocated(DEV) - base) / 2**30
         del out
         return {"fwd_ms": f, "fwd_bwd_ms": fb, "peak_gib": peak, "fwd_peak_gib": fwd_peak, "fwd_held_gib": held}
     except torch.OutOfMemoryError:
-        torch.cuda.empty_cache()
+        accelerator.empty_cache(DEV)
         return {}
 
 
@@ -92,7 +93,7 @@ def profile(T: int, H: int, d: int, doc: int) -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             o, ht = fn(x, cu)
             (o.float().sum() + ht.float().sum()).backward()
-            torch.cuda.synchronize()
+            accelerator.synchronize(DEV)
         print(f"{name}:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
 
@@ -108,7 +109,7 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/kda.json")
     a = p.parse_args()
     d, C = a.dim, 64
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; d={d}, documents of {a.doc}, bf16")
+    print(f"{accelerator.name(DEV)}, torch {torch.__version__}; d={d}, documents of {a.doc}, bf16")
     print(
         "| tokens | heads | method | fwd ms | fwd Mtok/s | fwd TFLOP/s | fwd+bwd ms | fwd+bwd Mtok/s | "
         "fwd+bwd TFLOP/s | peak GiB (fwd+bwd) | fwd peak GiB | fwd held GiB | fwd vs fla | fwd+bwd vs fla |"
@@ -160,13 +161,13 @@ def main() -> None:
                     flush=True,
                 )
             del x
-            torch.cuda.empty_cache()
+            accelerator.empty_cache(DEV)
             # after every shape: a run cut short keeps what it measured
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(
                 json.dumps(
                     {
-                        "device": torch.cuda.get_device_name(),
+                        "device": accelerator.name(DEV),
                         "torch": torch.__version__,
                         "dim": d,
                         "doc": a.doc,

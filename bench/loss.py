@@ -4,10 +4,10 @@ for the naive loss (full logits, fp32 softmax), Liger's fused linear cross entro
 
     python3 -m bench.loss                    # vocab 163840, 32768 tokens, hidden 4096 and 7168, bf16
 
-Each method: 2 warm-up calls, then the median of 5 timed ones (CUDA events); memory is
-``max_memory_allocated`` during a call minus what was allocated before it (the inputs, the
-weight and the gradients of the call before), so it counts what a method needs beyond the
-gradients it returns: logits, softmax, chunk buffers, copies. The loss and
+Each method: 2 warm-up calls, then the median of 5 timed ones (device events: CUDA's, or an
+NPU's); memory is ``max_memory_allocated`` during a call minus what was allocated before it (the
+inputs, the weight and the gradients of the call before), so it counts what a method needs beyond
+the gradients it returns: logits, softmax, chunk buffers, copies. The loss and
 both gradients are checked against the naive one. Baselines: Liger (speed goal >= 1.0x) and naive
 (memory goal <= 1/10). Writes bench/results/loss.json.
 """
@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from bench.cuda_time import DEV
+from engine import device as accelerator
 
 
 def naive(h, W, y):
@@ -49,24 +52,23 @@ def measure(fn, h, W, y, reps: int = 5) -> dict:
 
     for _ in range(2):
         call()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
+    accelerator.synchronize(DEV)
+    base = accelerator.allocated(DEV)
+    accelerator.reset_peak(DEV)
+    times: list[float] = []
+    last: dict[str, torch.Tensor] = {}
+
+    def timed():
+        last["loss"] = fn(h, W, y)
+        last["loss"].backward()
+
     for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         h.grad = W.grad = None
-        torch.cuda.synchronize()
-        a.record()
-        loss = fn(h, W, y)
-        loss.backward()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(accelerator.elapsed_ms(DEV, timed))
     return {
         "ms": statistics.median(times),
-        "extra_gb": (torch.cuda.max_memory_allocated() - base) / 1e9,
-        "loss": float(loss.detach()),
+        "extra_gb": (accelerator.max_allocated(DEV) - base) / 1e9,
+        "loss": float(last["loss"].detach()),
         "dh": h.grad.clone(),
         "dW": W.grad.clone(),
     }
@@ -85,24 +87,24 @@ def main() -> None:
     a = p.parse_args()
     methods = {"naive": naive, "liger": liger(), "ours": ours}
     rows = []
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; N={a.tokens}, V={a.vocab}, bf16")
+    print(f"{accelerator.name(DEV)}, torch {torch.__version__}; N={a.tokens}, V={a.vocab}, bf16")
     print(
         "| hidden | method | ms | extra GB | TFLOP/s | speed vs Liger | memory vs naive | loss err | dh err | dW err |"
     )
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for D in a.hidden:
-        g = torch.Generator(device="cuda").manual_seed(D)
-        h = (torch.randn(a.tokens, D, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-        W = (torch.randn(a.vocab, D, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
-        y = torch.randint(0, a.vocab, (a.tokens,), device="cuda", generator=g)
-        y[torch.rand(a.tokens, device="cuda", generator=g) < 0.1] = -100
+        g = torch.Generator(device=DEV).manual_seed(D)
+        h = (torch.randn(a.tokens, D, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
+        W = (torch.randn(a.vocab, D, device=DEV, generator=g) * D**-0.5).bfloat16().requires_grad_()
+        y = torch.randint(0, a.vocab, (a.tokens,), device=DEV, generator=g)
+        y[torch.rand(a.tokens, device=DEV, generator=g) < 0.1] = -100
         res: dict[str, dict | None] = {}
         for name, fn in methods.items():
             try:
                 res[name] = measure(fn, h, W, y)
             except torch.OutOfMemoryError:
                 res[name] = None
-            torch.cuda.empty_cache()
+            accelerator.empty_cache(DEV)
         ref = res["naive"]
         flops = 6 * a.tokens * a.vocab * D
         for name, r in res.items():
@@ -130,12 +132,12 @@ def main() -> None:
                 f"{f(row['dh_err'], '.1e')} | {f(row['dW_err'], '.1e')} |"
             )
         del h, W, y, res
-        torch.cuda.empty_cache()
+        accelerator.empty_cache(DEV)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(
         json.dumps(
             {
-                "device": torch.cuda.get_device_name(),
+                "device": accelerator.name(DEV),
                 "torch": torch.__version__,
                 "tokens": a.tokens,
                 "vocab": a.vocab,

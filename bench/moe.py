@@ -23,8 +23,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from bench.cuda_time import median_ms
+from bench.cuda_time import DEV, median_ms
 from bench.variants import write_variant
+from engine import device as accelerator
 from kiln_kernels.experimental import grouped_gemm
 from kiln_kernels.moe import grouped, reference
 from kiln_kernels.moe import triton as fused
@@ -45,13 +46,13 @@ def timed(fn, params) -> float:
 
 def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
     """The tokens' rows to expert order and back with routing weights, forward + backward."""
-    idx = torch.randn(N, E, device="cuda", generator=g).topk(k, -1)[1]
-    x = torch.randn(N, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.rand(N, k, device="cuda", generator=g, requires_grad=True)  # fp32, as the router gives
+    idx = torch.randn(N, E, device=DEV, generator=g).topk(k, -1)[1]
+    x = torch.randn(N, D, device=DEV, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(N, k, device=DEV, generator=g, requires_grad=True)  # fp32, as the router gives
     order = torch.argsort(idx.flatten(), stable=True)
     tok = order // k
     inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device="cuda")
+    inv[order] = torch.arange(order.numel(), device=DEV)
     inv = inv.view(N, k)
 
     def torch_way():
@@ -94,15 +95,15 @@ def tune(D: int, I: int) -> list[dict]:
     """Each GEMM of the gate/up projection alone (16k tokens, 64 experts, top-8) with each
     candidate configuration against torch's; CONFIG takes the best rows and weights entries.
     Returns each candidate's times (ms; None where it failed) and torch's."""
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=DEV).manual_seed(0)
     N, E, k = 16384, 64, 8
-    idx = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, -1)[1].flatten()
+    idx = torch.randn(N, E, device=DEV, generator=g).softmax(-1).topk(k, -1)[1].flatten()
     counts = torch.bincount(idx, minlength=E)
     offs = counts.cumsum(0).to(torch.int32)
     M = int(counts.sum())
-    x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16)
-    W = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D**-0.5).bfloat16()
-    dy = torch.randn(M, 2 * I, device="cuda", generator=g, dtype=torch.bfloat16)
+    x = torch.randn(M, D, device=DEV, generator=g, dtype=torch.bfloat16)
+    W = (torch.randn(E, 2 * I, D, device=DEV, generator=g) * D**-0.5).bfloat16()
+    dy = torch.randn(M, 2 * I, device=DEV, generator=g, dtype=torch.bfloat16)
     clock = lambda fn: median_ms(fn, reps=10, warmup=3)
     want = {
         "y": grouped.gmm(x, W, offs),
@@ -149,15 +150,15 @@ def tune(D: int, I: int) -> list[dict]:
 def measure(N: int, E: int, k: int, D: int, I: int) -> tuple[list[dict], dict]:
     """One case of N tokens, E experts, top-k: each method's row (printed as it goes), then the
     permute's times. Its tensors are this call's locals, freed when it returns."""
-    g = torch.Generator(device="cuda").manual_seed(N + E)
-    idx = torch.randn(N, E, device="cuda", generator=g).softmax(-1).topk(k, -1)[1].flatten()
+    g = torch.Generator(device=DEV).manual_seed(N + E)
+    idx = torch.randn(N, E, device=DEV, generator=g).softmax(-1).topk(k, -1)[1].flatten()
     counts = torch.bincount(idx, minlength=E)
     M = int(counts.sum())
-    x = torch.randn(M, D, device="cuda", generator=g, dtype=torch.bfloat16, requires_grad=True)
-    W1 = (torch.randn(E, 2 * I, D, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
-    W2 = (torch.randn(E, D, I, device="cuda", generator=g) * I**-0.5).bfloat16().requires_grad_()
-    d1 = (torch.randn(D, 2 * I, device="cuda", generator=g) * D**-0.5).bfloat16().requires_grad_()
-    d2 = (torch.randn(I, D, device="cuda", generator=g) * I**-0.5).bfloat16().requires_grad_()
+    x = torch.randn(M, D, device=DEV, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    W1 = (torch.randn(E, 2 * I, D, device=DEV, generator=g) * D**-0.5).bfloat16().requires_grad_()
+    W2 = (torch.randn(E, D, I, device=DEV, generator=g) * I**-0.5).bfloat16().requires_grad_()
+    d1 = (torch.randn(D, 2 * I, device=DEV, generator=g) * D**-0.5).bfloat16().requires_grad_()
+    d2 = (torch.randn(I, D, device=DEV, generator=g) * I**-0.5).bfloat16().requires_grad_()
 
     def dense():
         gate, up = (x @ d1).chunk(2, -1)
@@ -217,14 +218,14 @@ def main() -> None:
     if a.tune:
         tried = tune(D, I)
         print(f"with {grouped_gemm.CONFIG}\n")
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; D={D}, I={I}, bf16, fwd+bwd")
+    print(f"{accelerator.name(DEV)}, torch {torch.__version__}; D={D}, I={I}, bf16, fwd+bwd")
     print("| tokens | experts | top-k | method | ms | TFLOP/s | vs torch._grouped_mm | vs dense |")
     print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for N, E, k in [(N, E, k) for N in a.tokens for E in a.experts for k in a.top_k]:
         case_rows, moved = measure(N, E, k, D, I)
         rows += case_rows
         moves.append(moved)
-        torch.cuda.empty_cache()
+        accelerator.empty_cache(DEV)
     print("\npermute + unpermute with routing weights, fwd+bwd")
     print("| tokens | experts | top-k | torch ms (index, index_add_) | Triton ms | torch / Triton |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -237,7 +238,7 @@ def main() -> None:
         a.out,
         a.variant,
         {
-            "device": torch.cuda.get_device_name(),
+            "device": accelerator.name(DEV),
             "torch": torch.__version__,
             "hidden": D,
             "inter": I,

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from bench.cuda_time import pass_row, report
+from bench.cuda_time import DEV, pass_row, report
+from engine import device as accelerator
 from kiln_kernels.norm import reference
 from kiln_kernels.norm import triton as ours
 
@@ -32,14 +33,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     rows = []
     for op, shape in CASES:
-        g = torch.Generator(device="cuda").manual_seed(sum(shape))
-        x = torch.randn(*shape, device="cuda", generator=g).bfloat16().requires_grad_()
+        g = torch.Generator(device=DEV).manual_seed(sum(shape))
+        x = torch.randn(*shape, device=DEV, generator=g).bfloat16().requires_grad_()
         gate = (
-            torch.randn(*shape, device="cuda", generator=g).bfloat16().requires_grad_()
-            if op.startswith("gated")
-            else None
+            torch.randn(*shape, device=DEV, generator=g).bfloat16().requires_grad_() if op.startswith("gated") else None
         )
-        w = 1 + 0.1 * torch.randn(shape[-1], device="cuda", generator=g)
+        w = 1 + 0.1 * torch.randn(shape[-1], device=DEV, generator=g)
         call_args = (x, gate, w, 1e-6) if gate is not None else (x, w, 1e-6)
         inputs = [x] if gate is None else [x, gate]
         y = getattr(reference, op)(*call_args)
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
             base = base or row
             rows.append({"op": op, "shape": "x".join(map(str, shape)), "method": name, **row})
     return report(
-        f"RMSNorm, bf16 x, fp32 frozen weight, {torch.cuda.get_device_name()}",
+        f"RMSNorm, bf16 x, fp32 frozen weight, {accelerator.name(DEV)}",
         rows,
         {"op": 15, "shape": 16, "method": 18},
         BASELINE,

@@ -8,7 +8,7 @@ recompute, full recompute, and Swap Core on each tier and quantization, all in o
 Each mode trains the same model on the same batch (LoRA on every projection and on the experts;
 the loss as engine.trainer computes it, fused with the head in vocab chunks; an optimizer step at
 lr 0, so every mode starts from the same weights): ``--warmup`` steps, then the median of
-``--steps`` timed steps; peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps.
+``--steps`` timed steps; peak memory is the device's ``max_memory_allocated`` over the timed steps.
 The first step's gradients are compared with the no-recompute run's (bit-equal expected without
 quantization). Baseline: full recompute, measured in the same run (the issue's goal: >= 1.15x its
 speed at <= 1.1x its peak memory).
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bench.variants import write_variant
+from engine import device as accelerator
 from engine.config import DSAConfig, KDAConfig, ModelConfig, MoEConfig
 from engine.lora import apply_lora, store_frozen
 from engine.memory import apply_swap_core
@@ -153,7 +154,7 @@ def build(c: ModelConfig, device: torch.device, base: str = "bf16") -> HybridFor
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
         ),
     )
-    if device.type == "cuda" and base == "bf16":
+    if accelerator.accelerated(device) and base == "bf16":
         store_frozen(model, torch.bfloat16)  # as the trainer does on one GPU
     return model.train()
 
@@ -168,7 +169,7 @@ def unwrap(model: HybridForCausalLM) -> None:
 def loss_of(model, ids, device) -> torch.Tensor:
     """The next-token loss as engine.trainer computes it: the fused linear + cross-entropy in vocab
     chunks (kiln_kernels.loss), never the full logits."""
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with accelerator.autocast(device):
         loss, _ = model(ids, labels_BT=ids)
     return loss
 
@@ -180,8 +181,7 @@ def step(model, opt, ids, device) -> None:
 
 
 def sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    accelerator.synchronize(device)
 
 
 def rel_err(got: dict, ref: dict) -> float:
@@ -208,8 +208,7 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
     for _ in range(warmup):
         step(model, opt, ids, device)
     sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    accelerator.reset_peak(device)
     times: list[float] = []
     collecting: list[float] = []
 
@@ -226,7 +225,7 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
             times.append(time.perf_counter() - t0)
     finally:
         gc.callbacks.remove(collector)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    peak = accelerator.max_allocated(device) / 2**30 if accelerator.accelerated(device) else float("nan")
     with torch.no_grad():
         for p, s in zip(trainable, saved, strict=True):
             p.copy_(s)
@@ -293,11 +292,11 @@ def profile(model, name: str, ids, device) -> None:
     if cuda:  # where the host waited for the device, by the line that asked
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
+            accelerator.module(device).set_sync_debug_mode("warn")
             try:
                 step(model, opt, ids, device)
             finally:
-                torch.cuda.set_sync_debug_mode("default")
+                accelerator.module(device).set_sync_debug_mode("default")
         where = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
         print(
             f"host syncs in a step: {sum(where.values())} ({', '.join(f'{k} x{v}' for k, v in where.most_common(12))})"
@@ -312,7 +311,7 @@ def profile(model, name: str, ids, device) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=["h200", "debug"], default="h200")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=accelerator.best())
     p.add_argument("--tokens", type=int, help="tokens in the packed row (default: the size's)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
@@ -355,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.use_deterministic_algorithms(True)
     cfg, tokens = bench_config(args.size)
     tokens = args.tokens or tokens
-    weights = args.base if device.type == "cuda" else "fp32"
+    weights = args.base if accelerator.accelerated(device) else "fp32"
     model = build(cfg, device, weights)
     gc.collect()
     gc.freeze()  # as engine.trainer does before its loop: no full collection stalls a step
@@ -369,8 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
             grads = None
         if name == "no recompute":
             ref = grads
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        accelerator.empty_cache(device)
         print(name, results[name].get("step_s", "OOM"), flush=True)
     base = results[BASELINE]
     print(
@@ -394,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "size": args.size,
         "tokens": tokens,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": accelerator.name(device),
         "torch": torch.__version__,
         "config": json.loads(cfg.to_json()),
         "deterministic": args.deterministic,

@@ -1,10 +1,11 @@
 """The accelerator behind one module: CUDA, an Ascend NPU (torch_npu) or the CPU.
 
 The engine asks here which device to use, how to run bf16 autocast on it, its streams and events,
-its memory statistics and random state, and which distributed backend its process group takes
-(nccl, hccl, gloo). Outside this module no engine code names ``torch.cuda``: on CUDA every call
-below is the ``torch.cuda`` call it replaces (``torch.get_device_module("cuda")`` is ``torch.cuda``),
-and torch_npu gives ``torch.npu`` the same surface.
+its memory statistics and random state, how many of it this process sees, and which distributed
+backend its process group takes (nccl, hccl, gloo); the benches time and measure through it too.
+Outside this module no engine code names ``torch.cuda``: on CUDA every call below is the
+``torch.cuda`` call it replaces (``torch.get_device_module("cuda")`` is ``torch.cuda``), and
+torch_npu gives ``torch.npu`` the same surface.
 
 An NPU is used when ``torch_npu`` imports and ``torch.npu.is_available()``; importing it needs
 CANN (without it, ``import torch_npu`` fails and the NPU counts as absent). Checked here on a
@@ -17,6 +18,7 @@ import functools
 import importlib
 import os
 import resource
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -24,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 ACCELERATORS = ("cuda", "npu")
+# the variable that narrows the devices a process sees, per kind (device_count honours it)
+VISIBLE_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 @functools.lru_cache
@@ -64,6 +68,21 @@ def resolve(name: str | torch.device | None = None) -> torch.device:
     return torch.device(name)
 
 
+def count(kind: str | None = None) -> int:
+    """How many devices of ``kind`` (default: the best there is) this process sees, after
+    ``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES``; 0 for the CPU or an absent kind."""
+    kind = kind or best()
+    if kind not in ACCELERATORS or not available(kind):
+        return 0
+    return int(torch.get_device_module(kind).device_count())
+
+
+def visible_env(kind: str | None = None) -> str | None:
+    """The environment variable that picks the visible devices of ``kind`` (default: the best
+    there is): ``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``; None for the CPU."""
+    return VISIBLE_ENV.get(kind or best())
+
+
 def accelerated(device: torch.device) -> bool:
     return device.type in ACCELERATORS
 
@@ -91,6 +110,43 @@ def peak_memory_mb(device: torch.device) -> float:
 def synchronize(device: torch.device) -> None:
     if accelerated(device):
         module(device).synchronize(device)
+
+
+def event(device: torch.device) -> Any:
+    """A timing event on the device's current stream (``torch.cuda.Event(enable_timing=True)``)."""
+    return module(device).Event(enable_timing=True)
+
+
+def elapsed_ms(device: torch.device, call: Callable[[], object]) -> float:
+    """One call's device time in ms, between two timing events, the device idle before and after."""
+    a, b = event(device), event(device)
+    synchronize(device)
+    a.record()
+    call()
+    b.record()
+    synchronize(device)
+    return a.elapsed_time(b)
+
+
+def allocated(device: torch.device) -> int:
+    """Bytes of tensors the device holds now (0 on the CPU)."""
+    return module(device).memory_allocated(device) if accelerated(device) else 0
+
+
+def max_allocated(device: torch.device) -> int:
+    """The most bytes of tensors the device held since the last ``reset_peak`` (0 on the CPU)."""
+    return module(device).max_memory_allocated(device) if accelerated(device) else 0
+
+
+def reset_peak(device: torch.device) -> None:
+    if accelerated(device):
+        module(device).reset_peak_memory_stats(device)
+
+
+def empty_cache(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks back (nothing on the CPU)."""
+    if accelerated(device):
+        module(device).empty_cache()
 
 
 def name(device: torch.device) -> str:

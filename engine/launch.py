@@ -1,12 +1,13 @@
 """A job on several processes: ``engine.train`` calls ``run`` when ``spec.parallel.nproc`` > 1.
 
-``run`` starts torchrun (one node, ``nproc`` processes: one per GPU, or gloo on the CPU) with
-this module as the program, and stays in the caller's process as the go-between: rank 0 writes
-its reporter calls as JSON lines into ``events.jsonl``, which ``run`` replays into the caller's
-reporter as they come; when the caller's reporter says stop, ``run`` writes the reason into
-``stop``, which rank 0 reads at the next step boundary and tells the others. Rank 0 ends with a
-``result`` line (the TrainResult) or an ``error`` line (the exception's type and message, raised
-again here: a dataset error stays a dataset error).
+``run`` starts torchrun (one node, ``nproc`` processes: one per GPU or NPU, never more than the
+process sees, ``check_devices``; or gloo on the CPU) with this module as the program, and stays
+in the caller's process as the go-between: rank 0 writes its reporter calls as JSON lines into
+``events.jsonl``, which ``run`` replays into the caller's reporter as they come; when the caller's
+reporter says stop, ``run`` writes the reason into ``stop``, which rank 0 reads at the next step
+boundary and tells the others. Rank 0 ends with a ``result`` line (the TrainResult) or an
+``error`` line (the exception's type and message, raised again here: a dataset error stays a
+dataset error).
 
 The ranks open the caller's store again by its URL (``kiln.store.open_store``; an S3 store with
 the caller's cache folder: one node, one cache). On several nodes, start this module with torchrun
@@ -53,7 +54,25 @@ def _replay(line: str, reporter: Reporter) -> dict | None:
     return None
 
 
+def check_devices(nproc: int) -> None:
+    """A job of ``nproc`` ranks on this node takes one accelerator each: refuse more ranks than
+    this process sees (``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES`` narrow them). On
+    the CPU the ranks are gloo processes: no limit."""
+    from engine import device
+
+    kind = device.best()
+    if kind == "cpu":
+        return
+    seen, env = device.count(kind), device.VISIBLE_ENV[kind]
+    if nproc > seen:
+        raise ValueError(
+            f"hyperparameters.parallel.nproc ({nproc}) is more than the {seen} {kind} device(s) this "
+            f"worker sees ({env}={os.environ.get(env, 'unset')}): one process per device"
+        )
+
+
 def run(spec: JobSpec, store: Store, reporter: Reporter) -> TrainResult:
+    check_devices(spec.parallel.nproc)
     url = getattr(store, "url", None)
     if url is None:
         raise ValueError("a parallel job needs a store its ranks can open by URL (kiln.store.open_store)")
