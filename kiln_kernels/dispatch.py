@@ -117,9 +117,11 @@ OPS: dict[str, Op] = {
     "varlen_attention": Op(
         _K + "attention.reference",
         _K + "attention.flash",
-        None,
-        "reference (per document) until torch_npu.npu_fusion_attention (TND layout, sparse_mode 3) is "
-        "checked on an NPU: see ASCEND.md",
+        _K + "attention.npu",
+        "torch_npu.npu_fusion_attention (CANN's FlashAttentionScore): TND layout, the documents' cumulative "
+        "ends as actual_seq_qlen / actual_seq_kvlen, sparse_mode 3 (causal, bottom-right aligned, as ours) with "
+        "its 2048 x 2048 mask; its docs give q, k and v one head dim, so MLA's v (128) is padded to 192 and the "
+        "output sliced. Written, unit-tested against a stand-in torch_npu, never run on an NPU: see ASCEND.md",
     ),
     "moe_permute": Op(  # permute / unpermute (engine/model/common/moe.py)
         _K + "moe.reference",
@@ -130,9 +132,11 @@ OPS: dict[str, Op] = {
     "grouped_mlp": Op(
         _K + "moe.reference",
         _K + "moe.grouped",
-        None,
-        "reference (a loop over the experts) until torch_npu.npu_grouped_matmul (the experts' grouped "
-        "GEMM, group_list from the counts) is written and checked on an NPU: see ASCEND.md",
+        _K + "moe.npu",
+        "torch_npu.npu_grouped_matmul (CANN's GroupedMatmul): one packed x, all experts' weights as one [E, K, N] "
+        "tensor, group_list the cumulative counts (group_list_type 0), group_type 0 / split_item 2; the weights' "
+        "gradient through group_type 2 (our autograd Function, as MindSpeed's). Written, unit-tested against a "
+        "stand-in torch_npu, never run on an NPU: see ASCEND.md",
     ),
 }
 

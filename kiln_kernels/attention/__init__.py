@@ -1,6 +1,7 @@
 """Causal attention over packed documents (no [T, T] mask): ``reference.py`` (the definition,
-and the per-document form the CPU runs) and ``flash.py`` (CUDA: torch's variable-length flash and
-memory-efficient kernels), one signature; ``varlen_attention`` picks by device."""
+and the per-document form the CPU runs), ``flash.py`` (CUDA: torch's variable-length flash and
+memory-efficient kernels) and ``npu.py`` (Ascend: torch_npu.npu_fusion_attention, TND), one
+signature; ``varlen_attention`` picks by device."""
 
 from __future__ import annotations
 

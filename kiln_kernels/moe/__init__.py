@@ -1,5 +1,6 @@
 """MoE experts on grouped rows: ``reference.py`` (a loop over the experts, the definition) and
-``grouped.py`` (torch._grouped_mm on CUDA, one signature); ``grouped_mlp`` picks. ``triton.py``
+``grouped.py`` (torch._grouped_mm on CUDA) and ``npu.py`` (torch_npu.npu_grouped_matmul on an
+Ascend NPU), one signature; ``grouped_mlp`` picks. ``triton.py``
 has the permute / unpermute kernels the engine uses on CUDA. A Triton grouped GEMM, measured and
 not used, is in ``kiln_kernels/experimental/grouped_gemm.py`` (measured: see bench/RESULTS.md,
 "MoE grouped GEMM at torch's speed")."""

@@ -66,7 +66,8 @@ def test_npu_tensors_take_the_ascend_variants_or_the_references(npu):
         assert npu["choice"][op] == (entry.npu or entry.reference), op
         assert npu["choice"][op] != entry.cuda or entry.cuda == entry.npu, op  # a CUDA-only kernel never
     assert npu["choice"]["rms_norm"] == "kiln_kernels.norm.triton"  # an Ascend variant (the same Triton source)
-    assert npu["choice"]["varlen_attention"] == "kiln_kernels.attention.reference"  # none yet
+    assert npu["choice"]["varlen_attention"] == "kiln_kernels.attention.npu"  # torch_npu's fused operator
+    assert npu["choice"]["grouped_mlp"] == "kiln_kernels.moe.npu"  # (a stand-in checks it: test_npu_fused.py)
     assert npu["backend"] == {"npu": "npu", "float64": "reference", "mixed": "reference", "forced": "reference"}
     assert npu["fast"] is False  # the engine's own CUDA-only paths (MoE permute) stay off on an NPU
     assert npu["all_blocks_parallel"] == "1"  # grids past 65,535 programs, mapped onto the cores
