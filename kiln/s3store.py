@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.store import Publishing, Upload, check_sha
+from kiln.storage import Publishing, Upload, check_sha
 
 # what a base model's folder holds besides its config and tokenizer: skipped by model_dir(weights=False)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".distcp")
