@@ -47,13 +47,16 @@ def mlp(
     act: Callable,
     lora: Lora | None = None,
     scaling: float = 1.0,
+    dtype: torch.dtype = torch.bfloat16,
+    offs_dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor:
     """The experts through a grouped GEMM ``gmm`` (torch's here; kiln_kernels/experimental/grouped_gemm.py
-    passes its Triton one), in bf16."""
+    passes its Triton one, kiln_kernels/moe/npu.py torch_npu's), in ``dtype``; ``gmm`` gets the
+    groups' cumulative ends in ``offs_dtype``."""
     lora = lora or {}
-    offs = counts_E.cumsum(0).to(torch.int32)
-    with torch.autocast("cuda", enabled=False):
-        x = x_MD.to(torch.bfloat16)
+    offs = counts_E.cumsum(0).to(offs_dtype)
+    with torch.autocast(x_MD.device.type, enabled=False):
+        x = x_MD.to(dtype)
 
         def proj(name: str, W: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
             y = gmm(h, W, offs)

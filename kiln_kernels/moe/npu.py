@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 
+from kiln_kernels.moe.grouped import mlp
 from kiln_kernels.moe.reference import Lora
 
 GROUP_M, GROUP_K = 0, 2  # group_type: groups along x's rows (M), along the reduction axis (K)
@@ -105,19 +106,6 @@ def grouped_mlp(
     """[M, D] -> [M, D]: every expert on its own rows (``reference.grouped_mlp``): gate/up, the
     activation, down, LoRA from its factors (scaled at rank r). In x's dtype, or autocast's
     where autocast is on for x's device (as F.linear would be)."""
-    lora = lora or {}
     kind = x_MD.device.type
     dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x_MD.dtype
-    ends = counts_E.to(torch.int64).cumsum(0).to(x_MD.device)
-    with torch.autocast(kind, enabled=False):
-        x = x_MD.to(dt)
-
-        def proj(name: str, W: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-            y = gmm(h, W, ends)
-            if name in lora:
-                A, B = lora[name]
-                y = y + gmm(gmm(h, A, ends) * scaling, B, ends)
-            return y
-
-        gate, up = proj("gate_up_proj", gate_up_E2ID, x).chunk(2, -1)
-        return proj("down_proj", down_EDI, act(gate, up))
+    return mlp(gmm, x_MD, counts_E.to(x_MD.device), gate_up_E2ID, down_EDI, act, lora, scaling, dt, torch.int64)
