@@ -483,7 +483,8 @@ def test_rows_look_and_act_clickable(page, pg_stack, finished_job):
     assert row.evaluate("r => getComputedStyle(r).backgroundColor") != before
     row.locator("td").nth(1).click()  # anywhere on the row, not only the link
     page.wait_for_selector("#job:not([hidden])")
-    assert page.text_content("#job-id") == finished_job["id"]
+    # the panel may still show the job an earlier test opened until this one's loads
+    wait_for_text(page, "#job-id", finished_job["id"])
     page.click("nav a[href='#/files']")
     page.wait_for_selector("#files-body tr")
     assert page.locator("#files-body tr").first.evaluate("r => getComputedStyle(r).cursor") == "pointer"
