@@ -31,7 +31,7 @@ async def get_session() -> AsyncIterator[Session]:
 @lru_cache
 def get_store() -> ObjectStore:
     s = get_settings()
-    return open_store(s.store_url or s.resolved_store_dir(), (s.store_cache_dir or s.home / "store-cache").resolve())
+    return open_store(s.store_url or s.resolved_store_dir(), s.resolved_store_cache_dir())
 
 
 @lru_cache

@@ -80,10 +80,7 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        fields = {
-            **current(),
-            **{k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")},
-        }
+        fields = {**current(), **_extra(record)}
         text = super().format(record)
         return text + "".join(f" {k}={v}" for k, v in fields.items())
 

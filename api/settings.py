@@ -87,6 +87,9 @@ class Settings(BaseSettings):
     def resolved_webhook_queue(self) -> str:
         return self.webhook_queue or f"{self.queue}-webhooks"
 
+    def resolved_store_cache_dir(self) -> Path:
+        return (self.store_cache_dir or self.home / "store-cache").resolve()
+
     def resolved_store_dir(self) -> Path:
         return (self.store_dir or self.home / "store").resolve()
 

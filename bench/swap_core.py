@@ -180,10 +180,6 @@ def step(model, opt, ids, device) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def sync(device) -> None:
-    accelerator.synchronize(device)
-
-
 def rel_err(got: dict, ref: dict) -> float:
     """Relative Frobenius error of a set of gradients against another, in fp64."""
     num = sum(((got[n].double() - ref[n].double()) ** 2).sum() for n in ref)
@@ -207,7 +203,7 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
     opt.zero_grad(set_to_none=True)
     for _ in range(warmup):
         step(model, opt, ids, device)
-    sync(device)
+    accelerator.synchronize(device)
     accelerator.reset_peak(device)
     times: list[float] = []
     collecting: list[float] = []
@@ -218,10 +214,10 @@ def run_mode(model, spec: MemorySpec, ids, device, warmup: int, steps: int, ref:
     gc.callbacks.append(collector)
     try:
         for _ in range(steps):
-            sync(device)
+            accelerator.synchronize(device)
             t0 = time.perf_counter()
             step(model, opt, ids, device)
-            sync(device)
+            accelerator.synchronize(device)
             times.append(time.perf_counter() - t0)
     finally:
         gc.callbacks.remove(collector)
@@ -250,11 +246,11 @@ def _profiled(model, name: str, ids, device):
     acts = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
     )
-    sync(device)
+    accelerator.synchronize(device)
     t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
         step(model, opt, ids, device)
-        sync(device)
+        accelerator.synchronize(device)
     return time.perf_counter() - t0, prof.key_averages(), opt
 
 

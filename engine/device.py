@@ -103,7 +103,7 @@ def autocast(device: torch.device, enabled: bool = True) -> AbstractContextManag
 def peak_memory_mb(device: torch.device) -> float:
     """The most memory the device held since the last reset (the CPU: the process's peak RSS)."""
     if accelerated(device):
-        return module(device).max_memory_allocated(device) / 2**20
+        return max_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
