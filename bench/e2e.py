@@ -325,6 +325,7 @@ class Kiln:
         self.opt = torch.optim.AdamW(self.params, lr=1e-5)
         self.load_s = time.perf_counter() - t0
         self.memory = "none"
+        self.rehearsed = False
 
     def long_mode(self, on: bool) -> None:
         """Swap Core's default recompute (``selective``: the kernels' outputs kept on the device)
@@ -363,7 +364,8 @@ class Kiln:
         from engine.training.step import accumulate
 
         samples = [Sample(i, d, d.clone(), torch.zeros(0, 3, 1, 1)) for i, d in enumerate(docs)]
-        accumulate(self.model, samples, 1, 0, sum(len(d) for d in docs), Single(DEV))
+        accumulate(self.model, samples, 1, 0, sum(len(d) for d in docs), Single(DEV), ahead=not self.rehearsed)
+        self.rehearsed = True  # as the trainer: its first step compiles the kernels side by side
         with torch.profiler.record_function(TAG + "optimizer"):
             torch.nn.utils.clip_grad_norm_(self.params, 1.0)
             self.opt.step()

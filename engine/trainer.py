@@ -42,6 +42,7 @@ class Trainer:
         self.checkpointer = checkpointer_for(store, self.objective, self.ranks)
         self.step_no, self.tokens, self.skipped = 0, 0, 0
         self.saved = 0  # the step of the last checkpoint
+        self.rehearsed = False  # the first step's kernels compiled ahead (engine.training.step.rehearse)
         self.metrics: dict[str, float] = {}
         self.order: tuple[int, list[list[int]]] = (-1, [])
 
@@ -165,8 +166,15 @@ class Trainer:
             loss, n, right, seen, rows = torch.tensor(dpo.pop("train_loss")), 0, 0, dpo.pop("tokens"), 0
         else:
             loss, n, right, seen, rows = accumulate(
-                self.model, samples, spec.gradient_accumulation_steps, self.tpl.pad_id, self.pack_to, self.ranks
+                self.model,
+                samples,
+                spec.gradient_accumulation_steps,
+                self.tpl.pad_id,
+                self.pack_to,
+                self.ranks,
+                ahead=not self.rehearsed,  # the process's first step compiles its kernels side by side
             )
+            self.rehearsed = True
         grad_norm = self.ranks.clip(self.trainable, 1.0)
         if torch.isfinite(grad_norm):
             self.opt.step()

@@ -10,6 +10,8 @@ from torch.nn import functional as F
 from engine import device as accelerator
 from engine.data import IGNORE, Dataset, collate
 from engine.lora import adapters_off
+from engine.model.common.moe import Router
+from kiln_kernels.ahead import compiling_ahead
 
 
 def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=None) -> tuple[torch.Tensor, int, int]:
@@ -23,25 +25,63 @@ def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=Non
     return loss, int((labels[:, 1:] != IGNORE).sum()), int(right)
 
 
+def forward_backward(model: torch.nn.Module, batch: dict, device: torch.device, cp, total: int | None):
+    """The loss of ``batch`` (as ``batch_loss``) and its backward, weighted by its share of
+    ``total`` targets (None: weighted 0)."""
+    loss, n, right = batch_loss(model, batch, device, cp)
+    indexer_loss = getattr(model, "indexer_loss", None)
+    extra = indexer_loss() if indexer_loss is not None and model.training else None
+    (
+        (loss + extra if extra is not None else loss) * (n / total if total else 0.0)
+    ).backward()  # DSA indexers learn by KL
+    return loss, n, right
+
+
+def rehearse(model: torch.nn.Module, batch: dict, device: torch.device, cp) -> bool:
+    """Compile the kernels of a forward and backward of ``batch`` side by side before it runs
+    (kiln_kernels.ahead): the pass launches no Triton kernel, so its numbers are garbage, and it
+    leaves no trace: the gradients, the routers' token counts and the random generators are as
+    they were (a resumed job draws what it would have drawn). False where there is nothing to
+    compile ahead (the CPU)."""
+    if not accelerator.accelerated(device):
+        return False
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]  # set aside: a backward would add into them in place
+    for p in params:
+        p.grad = None
+    routers = [(m, m.load) for m in model.modules() if isinstance(m, Router)]
+    cpu_rng, device_rng = torch.get_rng_state(), accelerator.rng_state()
+    with compiling_ahead() as compiling:
+        if compiling:
+            forward_backward(model, batch, device, cp, None)
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    for m, load in routers:
+        m.load = load
+    torch.set_rng_state(cpu_rng)
+    accelerator.set_rng_state(device_rng)
+    return compiling
+
+
 def accumulate(
-    model: torch.nn.Module, samples: list, micro: int, pad: int, pack_to: int | None, ranks
+    model: torch.nn.Module, samples: list, micro: int, pad: int, pack_to: int | None, ranks, ahead: bool = False
 ) -> tuple[torch.Tensor, int, int, int, int]:
     """Forward and backward this rank's share of the step's examples in ``micro`` parts, each
     weighted by its share of the target tokens of the whole step (on all ranks): the gradients,
     summed over the ranks, equal the whole batch's (context parallel too: each rank's slice holds
-    its own targets). ``ranks``: engine.training.ranks. Returns (loss, targets, right, tokens,
-    rows) for the step, over all ranks."""
+    its own targets). ``ranks``: engine.training.ranks. ``ahead``: the first part is rehearsed
+    first, its kernels compiled side by side (``rehearse``; a process's first step). Returns (loss,
+    targets, right, tokens, rows) for the step, over all ranks."""
     total = sum(s.targets for s in samples) or 1
     loss_sum, n_sum, right_sum, seen, rows = 0.0, 0, 0, 0, 0
     for part in ranks.share(samples, parts=micro):
         batch, cp, packed = ranks.batch(
             part or samples[:1], pad, pack_to
         )  # a stand-in, weighted 0, keeps the ranks in step
-        loss, n, right = batch_loss(model, batch, ranks.device, cp)
-        indexer_loss = getattr(model, "indexer_loss", None)
-        extra = indexer_loss() if indexer_loss is not None and model.training else None
-        weight = n / total if part else 0.0
-        ((loss + extra if extra is not None else loss) * weight).backward()  # DSA indexers learn by KL
+        if ahead:
+            rehearse(model, batch, ranks.device, cp)
+            ahead = False
+        loss, n, right = forward_backward(model, batch, ranks.device, cp, total if part else None)
         if part:
             loss_sum += float(loss.detach()) * n
             n_sum, right_sum = n_sum + n, right_sum + right

@@ -1,0 +1,115 @@
+"""On a GPU (skipped elsewhere): a first step's rehearsal (engine.training.step.rehearse) compiles
+every Triton kernel of the step in the compile threads, so the step itself compiles none, and
+leaves no trace: the gradients it found, the routers' token counts and the random generators are
+as before it, bit for bit, and the step's loss and gradients those of the same step without it."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+from engine.data import Sample
+from engine.lora import apply_lora, store_frozen
+from engine.model.common.moe import Router
+from engine.model.registry import ensure_builtin, load_base
+from engine.training.ranks import Single
+from engine.training.step import accumulate, rehearse
+from kiln.spec import LoraSpec
+from tests.tolerance import rel
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEV = torch.device("cuda")
+
+
+def forget_kernels() -> int:
+    """Drop every compiled kernel from the processes' kernel caches (Triton's disk cache stays:
+    a compile then reads it, still a compile to the listener); how many JIT functions."""
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("kiln_kernels") and mod is not None:
+            for obj in vars(mod).values():
+                if isinstance(obj, JITFunction):
+                    obj.device_caches.clear()
+                    n += 1
+    return n
+
+
+def model_of(name: str, folder):
+    ensure_builtin(name, folder)
+    model = load_base(folder)
+    experts = [] if name == "kiln-tiny" else ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    apply_lora(model, LoraSpec(rank=8, target_modules=["q_proj", "v_proj", "down_proj"], target_parameters=experts))
+    store_frozen(model, torch.bfloat16)
+    return model.to(DEV).train()
+
+
+def samples() -> list[Sample]:
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(3, 200, (n,), generator=g) for n in (700, 1, 333, 40)]
+    return [Sample(i, d, d.clone(), torch.zeros(0, 3, 1, 1)) for i, d in enumerate(docs)]
+
+
+def state(model) -> dict:
+    return {
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "loads": [m.load.clone() for m in model.modules() if isinstance(m, Router) and m.load is not None],
+        "rng": (torch.get_rng_state(), torch.cuda.get_rng_state()),
+    }
+
+
+@pytest.mark.parametrize("name", ["kiln-tiny", "kimi-linear-tiny", "kiln-hybrid-tiny"])
+def test_rehearsal_compiles_the_step_ahead_and_leaves_no_trace(name, tmp_path):
+    model = model_of(name, tmp_path / name)
+    ranks = Single(DEV)
+    compiles: list[str] = []
+
+    def listen(src, metadata, metadata_group, times, cache_hit):
+        import threading
+
+        compiles.append(threading.current_thread().name)
+
+    def step(ahead: bool):
+        torch.manual_seed(7)
+        torch.cuda.manual_seed(7)
+        for m in model.modules():
+            if isinstance(m, Router):
+                m.load = None
+        model.zero_grad(set_to_none=True)
+        forget_kernels()
+        out = accumulate(model, samples(), 2, 0, 1024, ranks, ahead=ahead)
+        return out, state(model)
+
+    want, want_state = step(False)
+    triton.knobs.compilation.listener = listen
+    try:
+        assert forget_kernels()
+        batch, cp, _ = ranks.batch(samples()[:2], 0, 1024)
+        torch.manual_seed(3)
+        before = state(model)
+        assert rehearse(model, batch, DEV, cp)
+        after = state(model)
+        assert compiles and all(t.startswith("kiln-compile") for t in compiles), compiles
+        assert after["grads"].keys() == before["grads"].keys()
+        assert all(torch.equal(after["grads"][n], g) for n, g in before["grads"].items())
+        assert all(torch.equal(a, b) for a, b in zip(after["loads"], before["loads"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(after["rng"], before["rng"], strict=True))
+        # the step with its rehearsal: every compile in the compile threads, none at a launch
+        # (the second micro-batch's kernels are the first's: the same specialisations)
+        compiles.clear()
+        got, got_state = step(True)
+        assert compiles and all(t.startswith("kiln-compile") for t in compiles), compiles
+    finally:
+        triton.knobs.compilation.listener = None
+    # the same step: equal but for the order of the backward's atomic sums (DSA, attention)
+    loss, targets, right, tokens, rows = got
+    assert (targets, right, tokens, rows) == tuple(want[1:])
+    assert abs(float(loss) - float(want[0])) < 1e-4 * abs(float(want[0]))
+    assert got_state["grads"].keys() == want_state["grads"].keys()
+    for n, g in want_state["grads"].items():
+        assert rel(got_state["grads"][n], g) < 1e-3, n
+    assert all(torch.equal(a, b) for a, b in zip(got_state["loads"], want_state["loads"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got_state["rng"], want_state["rng"], strict=True))
