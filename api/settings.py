@@ -66,6 +66,8 @@ class Settings(BaseSettings):
     inference_timeout_seconds: float = 300.0  # the longest wait for its next byte (a base model loads on first use)
     inference_device: str = ""  # the server's torch device (cuda, npu, cpu); empty: the best one there is
     inference_max_batch: int = 8  # sequences one base model decodes side by side
+    # adapters one base model holds at once; a new one unloads the least recently used idle ones
+    inference_max_adapters: int = 32
 
     sse_poll_seconds: float = 0.5
     sse_keepalive_seconds: float = 15.0

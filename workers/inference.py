@@ -37,6 +37,7 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -80,6 +81,7 @@ class Models:
     def __init__(self, store: ObjectStore, settings: Settings):
         self.store, self.settings = store, settings
         self.batchers: dict[str, Batcher] = {}
+        self.folders: dict[str, Path] = {}  # each adapter's local folder, once fetched from the store
         self.open = 0  # answers being streamed (changed on the event loop only)
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -97,16 +99,18 @@ class Models:
                     raise Refused(404, f"no base model {base!r} in the store", "model", "model_not_found")
                 log.info("loading %s from %s", base, folder)
                 device, batch = self.settings.inference_device or None, self.settings.inference_max_batch
-                b = Batcher(folder, device=device, max_batch=batch)
+                b = Batcher(folder, device=device, max_batch=batch, max_adapters=self.settings.inference_max_adapters)
                 b.start()
                 self.batchers[base] = b
             return self.batchers[base]
 
-    def adapter(self, base: str, key: str) -> None:
+    def adapter(self, base: str, key: str) -> Path:
+        """The adapter's folder, the adapter loaded on its base (it may be unloaded again for
+        others: the request loads it once more from the folder)."""
         b = self.batchers[base]
         with self._lock(f"{base} {key}"):
-            if b.has_adapter(key):
-                return
+            if b.has_adapter(key) and key in self.folders:
+                return self.folders[key]
             folder = self.store.path(key)
             if not (folder / "adapter_config.json").exists():
                 raise Refused(404, f"no adapter at {key!r} in the store", "model", "adapter_not_found")
@@ -114,12 +118,13 @@ class Models:
                 b.add_adapter(key, folder)
             except ValueError as e:
                 raise Refused(400, f"model: the adapter does not fit its base model: {e}", "model") from e
+            self.folders[key] = folder
+            return folder
 
     def submit(self, req: Generate) -> Handle:
         """Check the request against its model and hand it to the model's engine."""
         b = self.batcher(req.base)
-        if req.adapter is not None:
-            self.adapter(req.base, req.adapter)
+        folder = self.adapter(req.base, req.adapter) if req.adapter is not None else None
         example, issues = parse_prompt([m.model_dump(exclude_none=True) for m in req.messages])
         if example is None:
             raise Refused(400, "; ".join(f"{i.field}: {i.message}" for i in issues[:5]), issues[0].field)
@@ -148,7 +153,7 @@ class Models:
         max_tokens = req.max_tokens or min(DEFAULT_MAX_TOKENS, room or DEFAULT_MAX_TOKENS)
         sampling = Sampling(max_tokens, req.temperature, req.top_p, tuple(req.stop), req.seed, req.n)
         try:
-            return b.submit(ids, pixels, req.adapter, sampling)
+            return b.submit(ids, pixels, req.adapter, sampling, folder)
         except ValueError as e:
             raise Refused(400, str(e)) from e
 

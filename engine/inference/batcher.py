@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,7 +75,9 @@ class Handle:
 
 
 class Batcher:
-    def __init__(self, model_dir: Path, device: str | torch.device | None = None, max_batch: int = 8):
+    def __init__(
+        self, model_dir: Path, device: str | torch.device | None = None, max_batch: int = 8, max_adapters: int = 32
+    ):
         self.device = accelerator.resolve(device)
         model = load_base(Path(model_dir)).eval()
         model.to(self.device)
@@ -88,17 +91,37 @@ class Batcher:
         )
         self.context_limit = position_limit(model)
         self.adapters = Adapters(model)
+        self.max_adapters = max_adapters
+        self._recent: OrderedDict[str, None] = OrderedDict()  # the loaded adapters, least recently used first
         self.max_batch = max(max_batch, MAX_N)
         self.decoder = Decoder(model, self.tok, self.tpl, self.max_batch, self._emit)
         self._inbox: queue.Queue[Handle] = queue.Queue()
         self._cancelled: queue.Queue[Handle] = queue.Queue()
-        self._lock = threading.Lock()  # adapters change between steps, never during one
+        self._lock = threading.RLock()  # adapters change between steps, never during one
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pending: Counter[str] = Counter()  # requests of each adapter submitted, not started yet
 
     def add_adapter(self, name: str, folder: Path) -> None:
+        """Load (or keep) the adapter in ``folder`` as ``name``; over ``max_adapters`` the least
+        recently used ones that no request is using or waiting for are unloaded first."""
         with self._lock:
+            self._add(name, folder)
+
+    def _add(self, name: str, folder: Path) -> None:
+        if name not in self.adapters.names:
+            busy = self._in_use()
+            idle = [a for a in self._recent if a not in busy]
+            for old in idle[: max(0, len(self._recent) + 1 - self.max_adapters)]:
+                self.adapters.remove(old)
+                del self._recent[old]
             self.adapters.add(name, folder)
+        self._recent[name] = None
+        self._recent.move_to_end(name)
+
+    def _in_use(self) -> set[str | None]:
+        """The adapters of running requests and of those waiting to start (call under the lock)."""
+        return {c.prompt.adapter for c in self.decoder.running} | {a for a, n in self._pending.items() if n}
 
     def has_adapter(self, name: str) -> bool:
         return name in self.adapters.names
@@ -114,7 +137,16 @@ class Batcher:
         ids = encode_prompt(self.tok, self.tpl, example.messages, self.image_tokens or 0)
         return ids, pixels_of(example.images, getattr(self.model, "image_size", 0))
 
-    def submit(self, ids: list[int], pixels: torch.Tensor | None, adapter: str | None, sampling: Sampling) -> Handle:
+    def submit(
+        self,
+        ids: list[int],
+        pixels: torch.Tensor | None,
+        adapter: str | None,
+        sampling: Sampling,
+        folder: Path | None = None,
+    ) -> Handle:
+        """Start a request; ``folder``: where ``adapter`` is, should it have been unloaded since it
+        was added (it is loaded again)."""
         if not 1 <= sampling.n <= MAX_N:
             raise ValueError(f"n: {sampling.n} choices; between 1 and {MAX_N}")
         if sampling.max_tokens < 1:
@@ -124,11 +156,15 @@ class Batcher:
                 f"max_tokens: the prompt's {len(ids)} tokens and max_tokens {sampling.max_tokens} exceed the"
                 f" model's context of {self.context_limit} tokens"
             )
-        if adapter is not None and adapter not in self.adapters.names:
-            raise ValueError(f"adapter {adapter} is not loaded")
         h = Handle(self, Prompt(ids, pixels, adapter, sampling))
         h.prompt.emit = h
-        self._inbox.put(h)
+        with self._lock:  # loaded and queued at once: no other adapter's load unloads it in between
+            if adapter is not None:
+                if adapter not in self.adapters.names and folder is None:
+                    raise ValueError(f"adapter {adapter} is not loaded")
+                self._add(adapter, folder)  # type: ignore[arg-type]  # a loaded adapter needs no folder
+                self._pending[adapter] += 1
+            self._inbox.put(h)
         if self._thread is None:  # no loop thread: the caller's iteration drives nothing, so run one
             self.start()
         return h
@@ -152,6 +188,13 @@ class Batcher:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    def _started(self, handles: list[Handle]) -> None:
+        """These requests left the queue (running now, or cancelled)."""
+        with self._lock:  # (the lock is reentrant: the loop holds it already when admitting)
+            for h in handles:
+                if h.prompt.adapter is not None:
+                    self._pending[h.prompt.adapter] -= 1
+
     def _loop(self) -> None:
         waiting: list[Handle] = []
         admit: list[Handle] = []
@@ -166,7 +209,9 @@ class Batcher:
                     h = self._cancelled.get_nowait()
                 except queue.Empty:
                     break
-                waiting = [w for w in waiting if w is not h]
+                if any(w is h for w in waiting):
+                    waiting = [w for w in waiting if w is not h]
+                    self._started([h])
                 self.decoder.cancel(h.prompt)
             try:
                 with self._lock:
@@ -174,6 +219,7 @@ class Batcher:
                     while waiting and waiting[0].prompt.sampling.n <= free:  # first come, first served
                         free -= waiting[0].prompt.sampling.n
                         admit.append(waiting.pop(0))
+                    self._started(admit)
                     if admit:
                         self.decoder.prefill([h.prompt for h in admit])
                     else:

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from engine.inference import Batcher, Decoder, Prompt, Sampling
-from engine.inference.adapters import Adapters
+from engine.inference.adapters import Adapters, ServedLinear
 from engine.inference.decode import encode_prompt, pixels_of
 from engine.lora import apply_lora, save_adapter
 from engine.model.registry import ensure_builtin, load_base
@@ -230,6 +230,42 @@ def test_sampling_stop_strings_seed_and_length(models):
             b.submit(ids, None, None, Sampling(max_tokens=2048))
         with pytest.raises(ValueError, match="not loaded"):
             b.submit(ids, None, "nope", Sampling(max_tokens=2))
+    finally:
+        b.close()
+
+
+def test_over_its_adapter_limit_a_base_unloads_the_least_recently_used_idle_one(models, tmp_path):
+    """max_adapters 2: a third adapter unloads the least recently used one no request is using
+    (its factors leave every served layer), never one a running request decodes with; a request
+    to an unloaded adapter loads it again from its folder, and answers as before."""
+    spec = LoraSpec(rank=2, alpha=4.0, target_modules=["q_proj", "down_proj"])
+    for k in range(4):
+        random_adapter(models, "kiln-tiny", tmp_path / f"a{k}", 20 + k, spec)
+    b = Batcher(models / "kiln-tiny", device="cpu", max_batch=8, max_adapters=2)
+    b.decoder.ends = set()
+
+    def factors() -> set[str]:
+        return {n for m in b.model.modules() if isinstance(m, ServedLinear) for n in m.factors}
+
+    try:
+        ids, _ = b.encode(Example(0, [Message("user", "Tell me a story")], []))
+        greedy = Sampling(max_tokens=4, temperature=0)
+        for k in (0, 1):
+            b.add_adapter(f"a{k}", tmp_path / f"a{k}")
+        first = "".join(c.text for c in b.submit(ids, None, "a0", greedy))  # a0 used last: a1 is older
+        long = b.submit(ids, None, "a1", Sampling(max_tokens=1500, temperature=0))
+        chunks = iter(long)
+        next(chunks)  # a1 is decoding
+        b.add_adapter("a2", tmp_path / "a2")  # a0 is the only idle one
+        assert b.adapters.names == {"a1", "a2"} == factors()
+        b.add_adapter("a3", tmp_path / "a3")  # a1 still runs: a2 goes, a1 stays
+        assert b.adapters.names == {"a1", "a3"} == factors()
+        with pytest.raises(ValueError, match="a0 is not loaded"):
+            b.submit(ids, None, "a0", greedy)
+        again = "".join(c.text for c in b.submit(ids, None, "a0", greedy, tmp_path / "a0"))
+        assert again == first and "a0" in b.adapters.names and len(b.adapters.names) == 2
+        long.cancel()
+        assert len(list(chunks)) < 1500
     finally:
         b.close()
 
