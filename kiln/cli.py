@@ -5,6 +5,7 @@
     kiln cancel ftjob-…                     kiln pause ftjob-…          kiln resume ftjob-…
     kiln checkpoints ftjob-…                kiln download ftjob-… [-o adapter.zip] [--checkpoint ftckpt_…]
     kiln export ft:… [-o merged.zip] [--no-wait]   (the adapter merged into the base, made on a worker)
+    kiln chat ft:… "What is 11 + 7?" [--system S] [--max-tokens N] [--temperature T] [--seed N]
     kiln keys list|create [--name N]|revoke key_…
     kiln validate train.jsonl [--images images.zip]   (local: no server needed)
 
@@ -143,6 +144,14 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("model", help="the fine-tuned model (ft:…; kiln jobs shows it)")
     ex.add_argument("-o", "--output", help="where to save it (default: MODEL-merged.zip, odd characters as _)")
     ex.add_argument("--no-wait", action="store_true", help="start the export and print its state; download later")
+
+    ch = command(sub, "chat", "ask a base or fine-tuned model; the answer is printed as it is decided")
+    ch.add_argument("model", help="a base model (kiln-tiny) or a fine-tuned one (ft:…), or a checkpoint's")
+    ch.add_argument("message", help="the user's message")
+    ch.add_argument("--system", help="a system message before it")
+    ch.add_argument("--max-tokens", type=int, help="the longest answer in tokens")
+    ch.add_argument("--temperature", type=float, help="0 for the most likely tokens (default 1)")
+    ch.add_argument("--seed", type=int, help="the same seed gives the same answer")
 
     keys = command(sub, "keys", "your API keys")
     ksub = keys.add_subparsers(dest="keys_cmd", required=True, metavar="ACTION")
@@ -339,6 +348,8 @@ def run(argv: list[str] | None = None) -> int:
                 )
                 or "no checkpoints",
             )
+        elif args.cmd == "chat":
+            return _chat(c, args, out)
         elif args.cmd == "keys":
             if args.keys_cmd == "list":
                 ks = c.keys.list()
@@ -367,6 +378,22 @@ def _watch(c: Client, job_id: str, out: Out) -> int:
         )
     out(job, f"{job.id}  {job.status}  {job.fine_tuned_model or (job.error.message if job.error else '')}")
     return 0 if job.status == "succeeded" else 1
+
+
+def _chat(c: Client, args, out: Out) -> int:
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.message})
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    params = {k: v for k, v in params.items() if v is not None}
+    if out.as_json:
+        answer = c.chat.completions.create(args.model, messages, **params)
+        out(answer, "")
+        return 0
+    for chunk in c.chat.completions.stream(args.model, messages, **params):
+        for choice in chunk.choices:
+            print(choice.delta.content or "", end="", flush=True)
+    print()
+    return 0
 
 
 def _export(c: Client, args, out: Out) -> int:

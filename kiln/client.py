@@ -7,6 +7,9 @@
     job = client.jobs.wait(job.id, progress=True)
     client.adapters.download(job.id, "adapter.zip")
     client.exports.download(job.fine_tuned_model, "merged.zip")   # the adapter merged into the base
+    answer = client.chat.completions.create(job.fine_tuned_model, [{"role": "user", "content": "Hi"}])
+    for chunk in client.chat.completions.stream(job.fine_tuned_model, [{"role": "user", "content": "Hi"}]):
+        print(chunk.choices[0].delta.content or "", end="") if chunk.choices else None
 
 Connection errors, 408, 429 and 5xx answers are retried with exponential backoff (a POST keeps
 one Idempotency-Key across its retries, so it is never applied twice); other errors raise the
@@ -34,7 +37,7 @@ from pydantic import BaseModel, ValidationError
 from kiln.errors import APIConnectionError, KilnError, from_response
 from kiln.exports import Export
 from kiln.spec import Hyperparameters, JobRequest, LoraSpec, explain
-from kiln.types import ApiKeyInfo, Checkpoint, FileObject, Job, JobEvent, Model
+from kiln.types import ApiKeyInfo, ChatCompletion, ChatCompletionChunk, Checkpoint, FileObject, Job, JobEvent, Model
 
 
 class _Listed(Protocol):
@@ -85,6 +88,7 @@ class Client:
         self._http = http_client or httpx.Client(timeout=timeout)
         self.files, self.jobs, self.adapters = Files(self), Jobs(self), Adapters(self)
         self.models, self.keys, self.exports = Models(self), Keys(self), Exports(self)
+        self.chat = Chat(self)
 
     def close(self) -> None:
         self._http.close()
@@ -352,6 +356,43 @@ class Models:
 
     def list(self) -> list[Model]:
         return [Model(**m) for m in self._c._json("GET", "/v1/models")["data"]]
+
+
+class Chat:
+    """``client.chat.completions``, as the openai SDK names it."""
+
+    def __init__(self, client: Client):
+        self.completions = Completions(client)
+
+
+class Completions:
+    def __init__(self, client: Client):
+        self._c = client
+
+    def create(self, model: str, messages: builtins.list[dict], **params: Any) -> ChatCompletion:
+        """An answer from a base model or a fine-tuned one (``ft:...``, or a checkpoint's name):
+        ``messages`` as in a training file (text, or parts with ``image_url`` data: URLs), and
+        OpenAI's parameters (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``,
+        ``n``). For the answer as it is decided, ``stream``."""
+        if params.get("stream"):
+            raise ValueError("stream=True: use client.chat.completions.stream(...)")
+        body = {"model": model, "messages": messages, **params}
+        return ChatCompletion(**self._c._json("POST", "/v1/chat/completions", json=body, timeout=None))
+
+    def stream(self, model: str, messages: builtins.list[dict], **params: Any) -> Iterator[ChatCompletionChunk]:
+        """The answer in pieces (Server-Sent Events): per choice a chunk with the role, chunks of
+        text, a chunk with its finish_reason; with ``stream_options={"include_usage": True}`` a
+        last chunk holds the usage. Closing the iterator early stops the decoding."""
+        body = {"model": model, "messages": messages, **params, "stream": True}
+        with self._c.stream("POST", "/v1/chat/completions", json=body, timeout=None) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    if line == "data: [DONE]":
+                        return
+                    data = json.loads(line[6:])
+                    if "error" in data:  # the decoding failed after the answer began
+                        raise KilnError(data["error"].get("message", "the stream failed"))
+                    yield ChatCompletionChunk(**data)
 
 
 class Exports:

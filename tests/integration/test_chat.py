@@ -13,8 +13,11 @@ import httpx
 import openai
 import pytest
 
+from kiln import Client, cli
 from kiln.dataset import Example, Message
+from kiln.errors import BadRequestError, NotFoundError
 from kiln.tokenizer import ByteTokenizer, chat_template, encode_chat
+from kiln.types import Usage
 from tests.conftest import finished, wait_for
 
 QUESTION = [{"role": "user", "content": "What is 11 + 7?"}]
@@ -54,7 +57,7 @@ def text_only(sample) -> bytes:
 
 @pytest.fixture(scope="module")
 def tiny_ft(stack, sample):
-    return train(stack, "kiln-tiny", text_only(sample), batch_size=8, max_steps=40, learning_rate_multiplier=4)
+    return train(stack, "kiln-tiny", text_only(sample), batch_size=8, max_steps=40, learning_rate_multiplier=1)
 
 
 @pytest.fixture(scope="module")
@@ -227,13 +230,39 @@ def test_fine_tuned_kiln_tiny_answers_with_its_adapter(served, oai, tiny_ft, sam
     assert seen.usage.prompt_tokens == prompt_tokens([{"role": "user", "content": "How many?"}]) + 16  # 16 image tokens
 
 
-def test_fine_tuned_kimi_linear_tiny_answers(served, oai, kimi_ft):
+def test_fine_tuned_kimi_linear_tiny_answers(served, stack, oai, kimi_ft, capsys):
     base = ask(oai, "kimi-linear-tiny", max_tokens=6, temperature=0).choices[0]
     tuned = ask(oai, kimi_ft, max_tokens=6, temperature=0)
     assert tuned.choices[0].message.content != base.message.content
     chunks = list(ask(oai, kimi_ft, max_tokens=6, temperature=0, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == tuned.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == tuned.choices[0].finish_reason
+    # Kiln's own SDK: the same answer, whole and streamed (with the usage), and its errors
+    with Client(stack.base_url, api_key=stack.keys["alice"], max_retries=0) as kiln:
+        ours = kiln.chat.completions.create(kimi_ft, QUESTION, max_tokens=6, temperature=0)
+        assert ours.choices[0].message.content == tuned.choices[0].message.content
+        theirs = tuned.usage
+        assert ours.usage == Usage(
+            prompt_tokens=theirs.prompt_tokens,
+            completion_tokens=theirs.completion_tokens,
+            total_tokens=theirs.total_tokens,
+        )
+        pieces = list(
+            kiln.chat.completions.stream(
+                kimi_ft, QUESTION, max_tokens=6, temperature=0, stream_options={"include_usage": True}
+            )
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == ours.choices[0].message.content
+        assert pieces[-1].usage == ours.usage
+        with pytest.raises(NotFoundError, match="No model found with id 'ft:nope'"):
+            kiln.chat.completions.create("ft:nope", QUESTION)
+        with pytest.raises(BadRequestError, match="n: "):
+            kiln.chat.completions.create(kimi_ft, QUESTION, n=9)
+    # and the command line's
+    capsys.readouterr()
+    key = ["--base-url", stack.base_url, "--api-key", stack.keys["alice"]]
+    assert cli.run([*key, "chat", kimi_ft, QUESTION[0]["content"], "--max-tokens", "6", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == tuned.choices[0].message.content + "\n"
 
 
 def test_another_owners_fine_tune_is_not_found(served, stack, tiny_ft):
