@@ -9,8 +9,6 @@ import sys
 
 import pytest
 import torch
-import triton
-from triton.runtime.jit import JITFunction
 
 from engine.data import Sample
 from engine.lora import apply_lora, store_frozen
@@ -28,6 +26,8 @@ DEV = torch.device("cuda")
 def forget_kernels() -> int:
     """Drop every compiled kernel from the processes' kernel caches (Triton's disk cache stays:
     a compile then reads it, still a compile to the listener); how many JIT functions."""
+    from triton.runtime.jit import JITFunction
+
     n = 0
     for name, mod in list(sys.modules.items()):
         if name.startswith("kiln_kernels") and mod is not None:
@@ -63,6 +63,8 @@ def state(model) -> dict:
 
 @pytest.mark.parametrize("name", ["kiln-tiny", "kimi-linear-tiny", "kiln-hybrid-tiny"])
 def test_rehearsal_compiles_the_step_ahead_and_leaves_no_trace(name, tmp_path):
+    import triton  # only where there is a GPU
+
     model = model_of(name, tmp_path / name)
     ranks = Single(DEV)
     compiles: list[str] = []
