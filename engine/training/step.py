@@ -4,6 +4,8 @@ and the same for preference pairs (DPO: the reference is the base model, the ada
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.nn import functional as F
 
@@ -12,6 +14,8 @@ from engine.data import IGNORE, Dataset, collate
 from engine.lora import adapters_off
 from engine.model.common.moe import Router
 from kiln_kernels.ahead import compiling_ahead
+
+log = logging.getLogger(__name__)
 
 
 def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=None) -> tuple[torch.Tensor, int, int]:
@@ -51,15 +55,20 @@ def rehearse(model: torch.nn.Module, batch: dict, device: torch.device, cp) -> b
         p.grad = None
     routers = [(m, m.load) for m in model.modules() if isinstance(m, Router)]
     cpu_rng, device_rng = torch.get_rng_state(), accelerator.rng_state()
-    with compiling_ahead() as compiling:
-        if compiling:
-            forward_backward(model, batch, device, cp, None)
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
-    for m, load in routers:
-        m.load = load
-    torch.set_rng_state(cpu_rng)
-    accelerator.set_rng_state(device_rng)
+    try:
+        with compiling_ahead() as compiling:
+            if compiling:
+                forward_backward(model, batch, device, cp, None)
+    except Exception as e:  # only time is lost: the step compiles what it still needs as it runs
+        log.warning("the first step's kernels were not compiled ahead: %s: %s", type(e).__name__, e)
+        compiling = False
+    finally:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        for m, load in routers:
+            m.load = load
+        torch.set_rng_state(cpu_rng)
+        accelerator.set_rng_state(device_rng)
     return compiling
 
 
