@@ -39,7 +39,7 @@ def setup(tmp_path):
 def snapshot(model) -> dict:
     return {
         "grads": {n: (p.grad, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None},
-        "loads": [(m, m.load.clone()) for m in model.modules() if isinstance(m, Router)],
+        "loads": [(m, m.load.clone()) for m in model.modules() if isinstance(m, Router) and m.load is not None],
         "rng": torch.get_rng_state(),
     }
 
