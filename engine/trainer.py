@@ -162,7 +162,9 @@ class Trainer:
         samples = [self.train_set[i] for i in self.order[1][index]]
         dpo = {}
         if spec.method == "dpo":
-            dpo = dpo_accumulate(self.model, samples, self.beta, self.tpl.pad_id, self.ranks.device)
+            dpo = dpo_accumulate(
+                self.model, samples, self.beta, self.tpl.pad_id, self.ranks.device, ahead=not self.rehearsed
+            )
             loss, n, right, seen, rows = torch.tensor(dpo.pop("train_loss")), 0, 0, dpo.pop("tokens"), 0
         else:
             loss, n, right, seen, rows = accumulate(
@@ -174,7 +176,7 @@ class Trainer:
                 self.ranks,
                 ahead=not self.rehearsed,  # the process's first step compiles its kernels side by side
             )
-            self.rehearsed = True
+        self.rehearsed = True
         grad_norm = self.ranks.clip(self.trainable, 1.0)
         if torch.isfinite(grad_norm):
             self.opt.step()

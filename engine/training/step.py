@@ -147,9 +147,14 @@ def dpo_loss(
     return -F.logsigmoid(chosen - rejected), chosen.detach(), rejected.detach()
 
 
-def dpo_accumulate(model: torch.nn.Module, pairs: list, beta: float, pad: int, device: torch.device) -> dict:
+def dpo_accumulate(
+    model: torch.nn.Module, pairs: list, beta: float, pad: int, device: torch.device, ahead: bool = False
+) -> dict:
     """Forward and backward one step's preference pairs, one pair at a time (each weighted 1 / the
-    pairs: the gradients sum to the batch mean's); the step's DPO metrics."""
+    pairs: the gradients sum to the batch mean's); the step's DPO metrics. ``ahead``: the first
+    pair's preferred answer is rehearsed first (``rehearse``: the same kernels)."""
+    if ahead and pairs:
+        rehearse(model, collate([pairs[0]], pad), device, None)
     loss_sum = chosen_sum = rejected_sum = 0.0
     right = seen = 0
     for pair in pairs:

@@ -104,6 +104,39 @@ def test_a_failed_rehearsal_costs_only_time(tmp_path, monkeypatch, caplog):
     assert_as_before(model, before)
 
 
+def test_a_preference_step_rehearses_its_first_pair_and_runs_as_without(tmp_path, monkeypatch):
+    model, _, _ = setup(tmp_path)
+    g = torch.Generator().manual_seed(5)
+
+    def answer(n: int) -> Sample:
+        ids = torch.randint(3, 200, (n,), generator=g)
+        labels = ids.clone()
+        labels[: n // 2] = -100  # the prompt: no loss
+        return Sample(0, ids, labels, torch.zeros(0, 3, 1, 1))
+
+    pairs = []
+    for n in (30, 24):
+        chosen = answer(n)
+        pairs.append(Sample(0, chosen.input_ids_T, chosen.labels_T, chosen.pixels_NCHW, rejected=answer(n + 4)))
+
+    def run(ahead: bool):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        metrics = step.dpo_accumulate(model, pairs, 0.1, 0, CPU, ahead=ahead)
+        return metrics, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = run(False)
+    monkeypatch.setattr(step, "accelerator", Accelerated())
+    monkeypatch.setattr(step, "compiling_ahead", rehearsing)
+    calls = []
+    real = step.forward_backward
+    monkeypatch.setattr(step, "forward_backward", lambda *a: calls.append(a[1]) or real(*a))
+    got, got_grads = run(True)
+    assert len(calls) == 1 and torch.equal(calls[0]["input_ids_BT"][0], pairs[0].input_ids_T)
+    assert got == want
+    assert got_grads.keys() == want_grads.keys() and all(torch.equal(got_grads[n], g) for n, g in want_grads.items())
+
+
 def test_without_a_device_nothing_is_compiled_ahead():
     with compiling_ahead() as compiling:
         assert not compiling
