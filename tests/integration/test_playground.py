@@ -259,7 +259,8 @@ def test_without_a_fine_tune_on_a_phone(browser, pg_stack, tuned):
         pg.fill("#api-key", pg_stack.keys["bob"])
         pg.click("#login-form button")
         pg.wait_for_selector("#playground:not([hidden])")
-        assert pg.is_visible("#play-none") and pg.locator("#play-model option").count() == 0
+        pg.wait_for_selector("#play-none", state="visible")  # once the models' list has come (a clean-clone run
+        assert pg.locator("#play-model option").count() == 0  # looked before it had)
         sent = chat_requests(pg)
         send(pg, FIRST)
         wait_for_text(pg, "#play-error", "Choose a fine-tuned model first")
