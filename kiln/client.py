@@ -7,9 +7,10 @@
     job = client.jobs.wait(job.id, progress=True)
     client.adapters.download(job.id, "adapter.zip")
     client.exports.download(job.fine_tuned_model, "merged.zip")   # the adapter merged into the base
-    answer = client.chat.completions.create(job.fine_tuned_model, [{"role": "user", "content": "Hi"}])
-    for chunk in client.chat.completions.stream(job.fine_tuned_model, [{"role": "user", "content": "Hi"}]):
-        print(chunk.choices[0].delta.content or "", end="") if chunk.choices else None
+    hi = [{"role": "user", "content": "Hi"}]
+    answer = client.chat.completions.create(job.fine_tuned_model, hi)
+    for chunk in client.chat.completions.stream(job.fine_tuned_model, hi):
+        print("".join(c.delta.content or "" for c in chunk.choices), end="")
 
 Connection errors, 408, 429 and 5xx answers are retried with exponential backoff (a POST keeps
 one Idempotency-Key across its retries, so it is never applied twice); other errors raise the

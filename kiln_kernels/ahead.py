@@ -46,8 +46,8 @@ class _Pool(ThreadPoolExecutor):
 
 
 @contextmanager
-def compiling_ahead(threads: int | None = None) -> Iterator[bool]:
-    """Triton launches inside compile (``threads`` at a time; default: the CPUs, at most 32) and do
+def compiling_ahead() -> Iterator[bool]:
+    """Triton launches inside compile (as many at a time as there are CPUs, at most 32) and do
     not run; on exit every compile has finished and sits in its kernel's cache, as if it had
     launched. Yields False, and changes nothing, where Triton or its asynchronous compile mode is
     missing or no device is active (the CPU)."""
@@ -63,7 +63,7 @@ def compiling_ahead(threads: int | None = None) -> Iterator[bool]:
         yield False
         return
     run = JITFunction.run
-    pool = _Pool(threads or min(32, os.cpu_count() or 1), device, driver)
+    pool = _Pool(min(32, os.cpu_count() or 1), device, driver)
     mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
 
     def rehearsed(self, *args, grid, warmup, **kwargs):

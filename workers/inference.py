@@ -105,11 +105,11 @@ class Models:
             return self.batchers[base]
 
     def adapter(self, base: str, key: str) -> Path:
-        """The adapter's folder, the adapter loaded on its base (it may be unloaded again for
-        others: the request loads it once more from the folder)."""
+        """The adapter's folder, the adapter checked against its base and loaded once (the base
+        may unload it for others: a request then loads it again from this folder)."""
         b = self.batchers[base]
         with self._lock(f"{base} {key}"):
-            if b.has_adapter(key) and key in self.folders:
+            if key in self.folders:
                 return self.folders[key]
             folder = self.store.path(key)
             if not (folder / "adapter_config.json").exists():

@@ -123,9 +123,6 @@ class Batcher:
         """The adapters of running requests and of those waiting to start (call under the lock)."""
         return {c.prompt.adapter for c in self.decoder.running} | {a for a, n in self._pending.items() if n}
 
-    def has_adapter(self, name: str) -> bool:
-        return name in self.adapters.names
-
     def encode(self, example: Example) -> tuple[list[int], torch.Tensor | None]:
         """The prompt's ids through the open assistant turn, and its images' pixels."""
         if not example.messages:

@@ -35,9 +35,8 @@ def forward_backward(model: torch.nn.Module, batch: dict, device: torch.device, 
     loss, n, right = batch_loss(model, batch, device, cp)
     indexer_loss = getattr(model, "indexer_loss", None)
     extra = indexer_loss() if indexer_loss is not None and model.training else None
-    (
-        (loss + extra if extra is not None else loss) * (n / total if total else 0.0)
-    ).backward()  # DSA indexers learn by KL
+    weight = n / total if total else 0.0
+    ((loss + extra if extra is not None else loss) * weight).backward()  # DSA indexers learn by KL
     return loss, n, right
 
 
