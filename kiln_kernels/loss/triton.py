@@ -69,9 +69,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
         dW = torch.empty_like(W_VD) if ctx.needs_input_grad[1] else None
         C = _chunk(N, V, h_ND.element_size())
+        buf = h_ND.new_empty(min(C, N), V)  # one chunk's logits, reused: a second chunk's would double the peak
         for t in range(0, N, C):
             h = h_ND[t : t + C]
-            logits = h @ W_VD.t()
+            logits = torch.mm(h, W_VD.t(), out=buf[: h.shape[0]])
             _ce_rows[(h.shape[0],)](
                 logits,
                 logits.stride(0),
