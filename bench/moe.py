@@ -56,11 +56,11 @@ def move(N: int, E: int, k: int, D: int, g: torch.Generator) -> dict:
     inv = inv.view(N, k)
 
     def torch_way():
-        y = x[tok] * 1.5  # stands in for the experts
-        return torch.zeros_like(x, dtype=w.dtype).index_add_(0, tok, y * w.reshape(-1)[order, None])
+        y = x[tok] * (1.5 * w.reshape(-1)[order, None])  # stands in for the experts, which weigh their rows
+        return torch.zeros_like(x, dtype=w.dtype).index_add_(0, tok, y)
 
     def triton_way():
-        return fused.unpermute(fused.permute(x, tok, inv) * 1.5, inv, w)
+        return fused.unpermute(fused.permute(x, tok, inv) * (1.5 * w.reshape(-1)[order, None]), inv)
 
     return {
         "tokens": N,

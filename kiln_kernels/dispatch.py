@@ -129,6 +129,14 @@ OPS: dict[str, Op] = {
         _K + "moe.triton",
         "the same Triton source (a program per token, no atomics): lowers as it is",
     ),
+    "swiglu": Op(  # the experts' weighed SwiGLU on gate/up rows, a dense MLP's on two tensors
+        _K + "moe.reference",
+        _K + "moe.triton",
+        None,
+        "the Triton source lowers (fp32 and bf16, tests/ascend/lower.py) and passes 3.2's interpreter, but "
+        "an NPU composes silu and mul until the kernel has run on one: the experts' NPU path (moe/npu.py) "
+        "is checked only against a stand-in torch_npu, which runs no Triton",
+    ),
     "grouped_mlp": Op(
         _K + "moe.reference",
         _K + "moe.grouped",

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
+from engine.model.common.layers import autocast_input
 from engine.model.common.moe import Experts
 from engine.parallel.mesh import Mesh
 
@@ -55,13 +56,13 @@ def _forward(self: Experts, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torc
     dist.all_to_all_single(got, counts, group=ep.group)  # [ep * L]: what each rank sends to each of mine
     got_EL = got.view(ep.size, L)
     send, recv = counts.view(ep.size, L).sum(1).tolist(), got_EL.sum(1).tolist()
-    rows = _exchange(x_ND[tok], recv, send, ep.group)
+    rows = _exchange(autocast_input(x_ND)[tok], recv, send, ep.group)  # bf16 under autocast: half the bytes
+    weights = _exchange(w_NK.reshape(-1)[order], recv, send, ep.group)  # the experts weigh their rows
     local = torch.repeat_interleave(torch.arange(L, device=got.device).repeat(ep.size), got_EL.flatten())
     regroup = torch.argsort(local, stable=True)
-    y = self.grouped(rows[regroup], got_EL.sum(0))
+    y = self.grouped(rows[regroup], got_EL.sum(0), weights[regroup])
     back = _exchange(y[torch.argsort(regroup)], send, recv, ep.group)
-    w = w_NK.reshape(-1)[order, None].to(x_ND.dtype)
-    return torch.zeros_like(x_ND).index_add_(0, tok, back * w)
+    return torch.zeros_like(x_ND).index_add_(0, tok, back.to(x_ND.dtype))
 
 
 def shard_experts(model: nn.Module, mesh: Mesh) -> None:

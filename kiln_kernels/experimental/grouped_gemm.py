@@ -441,5 +441,6 @@ def grouped_mlp(
     act: Callable,
     lora: Lora | None = None,
     scaling: float = 1.0,
+    w_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
+    return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling, w_M=w_M)

@@ -24,11 +24,12 @@ def grouped_mlp(
     act: Callable,
     lora: Lora | None = None,
     scaling: float = 1.0,
+    w_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
     chosen = impl("grouped_mlp", x_MD)
     if chosen is not reference and chosen.usable(x_MD, gate_up_E2ID, down_EDI, lora):
-        return chosen.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
-    return reference.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
+        return chosen.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling, w_M)
+    return reference.grouped_mlp(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling, w_M)
 
 
 __all__ = ["Lora", "grouped_mlp"]

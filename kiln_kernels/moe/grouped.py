@@ -8,7 +8,9 @@ With frozen expert weights (LoRA) both projections are one autograd Function, ``
 same grouped GEMMs, sums and activation as autograd's composition (``mlp``), but its output, the
 gate/up product and the LoRA's rank-r products go through ``kiln_kernels.dispatch.kept`` as "experts":
 Swap Core can keep them (``cache_ops: experts``) and the recompute then runs no grouped GEMM. It
-saves the gate/up product, not the activation: the backward recomputes that (elementwise)."""
+saves the gate/up product, not the activation: the backward recomputes that (elementwise), and
+only when the down projection's LoRA needs it. SwiGLU runs fused, one Triton pass each way
+(``kiln_kernels.moe.triton.swiglu``); another activation (K3's SiTU) as autograd composes it."""
 
 from __future__ import annotations
 
@@ -16,8 +18,15 @@ from collections.abc import Callable
 
 import torch
 
-from kiln_kernels.dispatch import kept
-from kiln_kernels.moe.reference import Lora
+from kiln_kernels.dispatch import impl, kept
+from kiln_kernels.moe.reference import Lora, swiglu, weigh
+
+
+def activate(gu_M2I: torch.Tensor, act: Callable, w_M: torch.Tensor | None) -> torch.Tensor:
+    """``act`` on the gate/up product's halves, weighed by ``w_M``: SwiGLU by the fused kernel on CUDA."""
+    if act is swiglu:
+        return impl("swiglu", gu_M2I).swiglu_rows(gu_M2I, w_M)
+    return weigh(act(*gu_M2I.chunk(2, -1)), w_M)
 
 
 def usable(x_MD: torch.Tensor, gate_up_E2ID: torch.Tensor, down_EDI: torch.Tensor, lora: Lora | None) -> bool:
@@ -49,6 +58,7 @@ def mlp(
     scaling: float = 1.0,
     dtype: torch.dtype = torch.bfloat16,
     offs_dtype: torch.dtype = torch.int32,
+    w_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts through a grouped GEMM ``gmm`` (torch's here; kiln_kernels/experimental/grouped_gemm.py
     passes its Triton one, kiln_kernels/moe/npu.py torch_npu's), in ``dtype``; ``gmm`` gets the
@@ -65,8 +75,8 @@ def mlp(
                 y = y + gmm(gmm(h, A, offs) * scaling, B, offs)  # scaled at rank r: M x r, not M x N
             return y
 
-        gate, up = proj("gate_up_proj", gate_up_E2ID, x).chunk(2, -1)
-        return proj("down_proj", down_EDI, act(gate, up))  # bf16, as F.linear under autocast gives
+        h = activate(proj("gate_up_proj", gate_up_E2ID, x), act, w_M)
+        return proj("down_proj", down_EDI, h)  # bf16, as F.linear under autocast gives
 
 
 def grouped_mlp(
@@ -77,9 +87,10 @@ def grouped_mlp(
     act: Callable,
     lora: Lora | None = None,
     scaling: float = 1.0,
+    w_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if gate_up_E2ID.requires_grad or down_EDI.requires_grad:  # the experts trained whole: autograd's path
-        return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling)
+        return mlp(gmm, x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling, w_M=w_M)
     lora = lora or {}
     offs = counts_E.cumsum(0).to(torch.int32)
     (A1, B1), (A2, B2) = (lora.get(name, (None, None)) for name in ("gate_up_proj", "down_proj"))
@@ -96,15 +107,16 @@ def grouped_mlp(
             B2,
             scaling,
             act,
+            w_M,
         )
 
 
 class _Experts(torch.autograd.Function):
     """``mlp(gmm, ...)`` for frozen weights W1 (gate/up) and W2 (down), LoRA (A1, B1) and (A2, B2)
-    on either or none, all bf16."""
+    on either or none, all bf16; the rows' weights ``w`` (or None) in the router's dtype."""
 
     @staticmethod
-    def forward(ctx, x, offs, W1, W2, A1, B1, A2, B2, s: float, act: Callable):
+    def forward(ctx, x, offs, W1, W2, A1, B1, A2, B2, s: float, act: Callable, w):
         def project(h, W, A, B):
             y = gmm(h, W, offs)
             if A is None:
@@ -114,29 +126,39 @@ class _Experts(torch.autograd.Function):
 
         def run():
             gu, t1 = project(x, W1, A1, B1)
-            y, t2 = project(act(*gu.chunk(2, -1)), W2, A2, B2)
+            y, t2 = project(activate(gu, act, w), W2, A2, B2)
             return y, gu, t1, t2
 
         y, gu, t1, t2 = kept("experts", run)
-        ctx.save_for_backward(x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2)
+        keep_x = x if A1 is not None else None  # x only for A1's gradient: the layer's largest tensor
+        ctx.save_for_backward(keep_x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2, w)
         ctx.s, ctx.act = s, act
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2 = ctx.saved_tensors
-        with torch.enable_grad():  # the activation again, from the kept gate/up product
-            gu = gu.detach().requires_grad_()
-            h = ctx.act(*gu.chunk(2, -1))
-        dh, dA2, dB2 = _project_back(dy, h.detach(), offs, W2, A2, B2, t2, ctx.s, True)
-        (dgu,) = torch.autograd.grad(h, gu, dh)
+        x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2, w = ctx.saved_tensors
+        if ctx.act is swiglu:  # fused: the activation again only for the down LoRA's gradient
+            from kiln_kernels.moe import triton as fused
+
+            h = fused.swiglu_forward(gu, w) if A2 is not None else None
+            dh, dA2, dB2 = _project_back(dy, h, offs, W2, A2, B2, t2, ctx.s, True)
+            dgu, dw = fused.swiglu_backward(gu, dh, w)
+        else:
+            with torch.enable_grad():  # the activation again, from the kept gate/up product
+                gu = gu.detach().requires_grad_()
+                wg = w.detach().requires_grad_() if w is not None else None
+                h = weigh(ctx.act(*gu.chunk(2, -1)), wg)
+            dh, dA2, dB2 = _project_back(dy, h.detach(), offs, W2, A2, B2, t2, ctx.s, True)
+            grads = torch.autograd.grad(h, [gu] if wg is None else [gu, wg], dh)
+            dgu, dw = grads[0], grads[1] if wg is not None else None
         dx, dA1, dB1 = _project_back(dgu, x, offs, W1, A1, B1, t1, ctx.s, ctx.needs_input_grad[0])
-        return dx, None, None, None, dA1, dB1, dA2, dB2, None, None
+        return dx, None, None, None, dA1, dB1, dA2, dB2, None, None, dw.to(w.dtype) if dw is not None else None
 
 
 def _project_back(
     dy: torch.Tensor,
-    h: torch.Tensor,
+    h: torch.Tensor | None,
     offs: torch.Tensor,
     W: torch.Tensor,
     A: torch.Tensor | None,
@@ -149,7 +171,7 @@ def _project_back(
     autograd's backward of ``gmm`` runs (rows: dy W_e; weights: dy_e^T h_e), summed as it sums."""
     dA = dB = dt = dh = None
     if A is not None:
-        assert B is not None and t is not None  # the LoRA pair comes whole, with its product
+        assert B is not None and t is not None and h is not None  # the LoRA pair comes whole, with its product
         dB = torch._grouped_mm(dy.t(), t, offs=offs)
         dt = torch._grouped_mm(dy, B, offs=offs) * s
         dA = torch._grouped_mm(dt.t(), h, offs=offs)

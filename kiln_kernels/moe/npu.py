@@ -102,10 +102,12 @@ def grouped_mlp(
     act: Callable,
     lora: Lora | None = None,
     scaling: float = 1.0,
+    w_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[M, D] -> [M, D]: every expert on its own rows (``reference.grouped_mlp``): gate/up, the
-    activation, down, LoRA from its factors (scaled at rank r). In x's dtype, or autocast's
-    where autocast is on for x's device (as F.linear would be)."""
+    activation weighed by ``w_M``, down, LoRA from its factors (scaled at rank r). In x's dtype,
+    or autocast's where autocast is on for x's device (as F.linear would be)."""
     kind = x_MD.device.type
     dt = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x_MD.dtype
-    return mlp(gmm, x_MD, counts_E.to(x_MD.device), gate_up_E2ID, down_EDI, act, lora, scaling, dt, torch.int64)
+    counts = counts_E.to(x_MD.device)
+    return mlp(gmm, x_MD, counts, gate_up_E2ID, down_EDI, act, lora, scaling, dt, torch.int64, w_M)

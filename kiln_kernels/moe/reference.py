@@ -1,10 +1,15 @@
 """The experts of an MoE layer on rows already grouped by expert: the reference (a loop).
 
-    y_m = W2_e act(W1g_e x_m, W1u_e x_m)   for the rows m of expert e (rows of expert 0 first,
-                                           then expert 1's, ..., ``counts_E`` of each)
+    y_m = W2_e (w_m act(W1g_e x_m, W1u_e x_m))   for the rows m of expert e (rows of expert 0
+                                                 first, then expert 1's, ..., ``counts_E`` of each)
 with LoRA on either projection computed from its factors: W x + scaling * B_e (A_e x), never
 W + B A. ``gate_up_E2ID`` is [E, 2I, D] (gate rows, then up rows), ``down_EDI`` [E, D, I],
-``lora`` maps "gate_up_proj" / "down_proj" to (A [E, r, in], B [E, out, r]).
+``lora`` maps "gate_up_proj" / "down_proj" to (A [E, r, in], B [E, out, r]); ``w_M`` (the rows'
+routing weights; None: 1) weighs the activation, so the rows come out weighed and a token's
+output is the plain sum of its rows (``unpermute``).
+
+``swiglu`` is the experts' activation, ``swiglu_rows`` the same on the gate/up product's rows as
+the fused kernel takes them ([M, 2I]: the gate half, then the up half), weighed.
 
 Legend: M rows, D width, I expert width, E experts, r LoRA rank.
 """
@@ -19,6 +24,20 @@ import torch.nn.functional as F
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def swiglu_rows(gu_M2I: torch.Tensor, w_M: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, 2I] -> [M, I]: w_m silu(gate) * up of each row's halves."""
+    return weigh(swiglu(*gu_M2I.chunk(2, -1)), w_M)
+
+
+def weigh(h_MI: torch.Tensor, w_M: torch.Tensor | None) -> torch.Tensor:
+    """Each row times its routing weight (None: as it is), in h's dtype."""
+    return h_MI if w_M is None else (h_MI * w_M[:, None]).to(h_MI.dtype)
+
+
 def grouped_mlp(
     x_MD: torch.Tensor,
     counts_E: torch.Tensor,
@@ -27,8 +46,9 @@ def grouped_mlp(
     act: Callable,
     lora: Lora | None = None,
     scaling: float = 1.0,
+    w_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[M, D] -> [M, D]: every expert on its own rows."""
+    """[M, D] -> [M, D]: every expert on its own rows, weighed."""
     lora = lora or {}
 
     def proj(name: str, W: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -39,9 +59,11 @@ def grouped_mlp(
         return y + ((x.to(A.dtype) @ A[e].t()) @ B[e].t() * scaling).to(x.dtype)
 
     out = []
-    for e, rows in enumerate(x_MD.split(counts_E.tolist())):
+    sizes = counts_E.tolist()
+    weights = w_M.split(sizes) if w_M is not None else [None] * len(sizes)
+    for e, (rows, w) in enumerate(zip(x_MD.split(sizes), weights, strict=True)):
         gate, up = proj("gate_up_proj", gate_up_E2ID, e, rows).chunk(2, -1)
-        out.append(proj("down_proj", down_EDI, e, act(gate, up)))
+        out.append(proj("down_proj", down_EDI, e, weigh(act(gate, up), w)))
     return torch.cat(out) if out else x_MD.new_zeros(0, down_EDI.shape[1])
 
 
@@ -51,8 +73,6 @@ def permute(x_ND: torch.Tensor, tok_M: torch.Tensor, inv_NK: torch.Tensor) -> to
     return x_ND[tok_M]
 
 
-def unpermute(y_MD: torch.Tensor, inv_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
-    """Each token's k rows weighted and summed, [N, D] in the wider of the two dtypes:
-    sum_k w[t, k] y[inv[t, k]]."""
-    dt = torch.promote_types(y_MD.dtype, w_NK.dtype)
-    return (y_MD[inv_NK.long()].to(dt) * w_NK[..., None].to(dt)).sum(1)
+def unpermute(y_MD: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
+    """Each token's k rows (weighed already) summed, [N, D] in fp32 (or wider): sum_k y[inv[t, k]]."""
+    return y_MD[inv_NK.long()].to(torch.promote_types(y_MD.dtype, torch.float32)).sum(1)

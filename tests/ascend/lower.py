@@ -231,7 +231,11 @@ def cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
         inv = torch.empty_like(order)
         inv[order] = torch.arange(N * K)
         y = moe.permute(x, order // K, inv.view(N, K))
-        _backward(moe.unpermute(y, inv.view(N, K), torch.rand(N, K, requires_grad=True)))
+        _backward(moe.unpermute(y, inv.view(N, K)))
+        gu = r(N * K, 2 * 1024).requires_grad_()  # the experts' activation, I 1024, weighed or not
+        _backward(moe.swiglu_rows(gu, torch.rand(N * K, requires_grad=True)))
+        _backward(moe.swiglu_rows(gu))
+        _backward(moe.swiglu(*_grad(r(N, 9216), r(N, 9216))))  # a dense MLP's (Kimi Linear's first layer)
 
     return {
         "norm": norms,

@@ -124,15 +124,15 @@ def test_experts_with_lora_match_the_loop(E, D, I, r):
     from kiln_kernels.experimental import grouped_gemm as fast
     from tests.gpu.test_moe_cuda import case, leaves, situ
 
-    x, counts, W1, W2, lora = case(E, D, I, r, E + D + 1)
+    x, counts, W1, W2, lora, w = case(E, D, I, r, E + D + 1)
     dy = torch.randn(x.shape[0], D, device="cuda")
-    y = fast.grouped_mlp(x, counts, W1, W2, situ, lora, 2.0)
+    y = fast.grouped_mlp(x, counts, W1, W2, situ, lora, 2.0, w)
     y.float().backward(dy)
-    d = [p.detach().double().requires_grad_() for p in leaves(x, W1, W2, lora)]
+    d = [p.detach().double().requires_grad_() for p in leaves(x, W1, W2, lora, w)]
     want = reference.grouped_mlp(
-        d[0], counts, d[1], d[2], situ, {"gate_up_proj": (d[3], d[4]), "down_proj": (d[5], d[6])}, 2.0
+        d[0], counts, d[1], d[2], situ, {"gate_up_proj": (d[3], d[4]), "down_proj": (d[5], d[6])}, 2.0, d[7]
     )
     want.backward(dy.double())
     assert y.dtype == torch.bfloat16 and rel(y, want) < 1e-2
-    for i, (p, q) in enumerate(zip(leaves(x, W1, W2, lora), d, strict=True)):
+    for i, (p, q) in enumerate(zip(leaves(x, W1, W2, lora, w), d, strict=True)):
         assert rel(p.grad, q.grad) < 1e-2, i

@@ -16,15 +16,12 @@ from engine.model.common.layers import RMSNorm, autocast_input, f32
 from engine.model.common.recompute import recomputing
 from kiln_kernels.dispatch import backend, impl
 from kiln_kernels.moe import grouped_mlp
+from kiln_kernels.moe.reference import swiglu  # the fused kernel knows it (kiln_kernels.moe.grouped)
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, b1: float = 4.0, b2: float = 25.0) -> torch.Tensor:
     """K3's bounded SwiGLU: b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2)."""
     return b1 * torch.tanh(gate / b1) * torch.sigmoid(gate) * (b2 * torch.tanh(up / b2))
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
 
 
 ACTIVATIONS = {"swiglu": swiglu, "situ": situ}
@@ -39,7 +36,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = autocast_input(x)
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.act is swiglu:  # fused on CUDA: one pass each way, silu(gate) not kept
+            return self.down_proj(impl("swiglu", gate, up).swiglu(gate, up))
+        return self.down_proj(self.act(gate, up))
 
 
 def counts_of(sorted_ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -102,9 +102,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(E, D, I))
         self.act = ACTIVATIONS[act]
 
-    def grouped(self, x_MD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Every expert (an index into this module's tensors) on its rows: the rows come grouped
-        by expert, ``counts_E`` of each (kiln_kernels.moe: a loop on the CPU, grouped GEMMs on CUDA)."""
+    def grouped(self, x_MD: torch.Tensor, counts_E: torch.Tensor, w_M: torch.Tensor | None = None) -> torch.Tensor:
+        """Every expert (an index into this module's tensors) on its rows, each row weighed by
+        ``w_M`` (its routing weight): the rows come grouped by expert, ``counts_E`` of each
+        (kiln_kernels.moe: a loop on the CPU, grouped GEMMs on CUDA)."""
         lora = getattr(self, "lora", None)  # engine.lora.ExpertsLoRA, when fine-tuning the experts
         factors = lora.factors() if lora is not None else None
         return grouped_mlp(
@@ -115,25 +116,30 @@ class Experts(nn.Module):
             self.act,
             factors,
             lora.scaling if lora is not None else 1.0,
+            w_M,
         )
 
     def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         """Sort the (token, slot) pairs by expert (stable: tokens ascending within an expert), run
-        the experts, weigh, add back into the tokens (expert by expert, as a loop would)."""
+        the experts (they weigh their rows: the weight scales the activation, before the down
+        projection), add back into the tokens (expert by expert, as a loop would). The rows are
+        cast (under autocast) before they are copied k times: k times fewer casts each way."""
+        x_in = autocast_input(x_ND)
         flat = idx_NK.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // idx_NK.shape[1]
         counts = counts_of(flat[order], self.gate_up_proj.shape[0])
+        w_M = w_NK.reshape(-1)[order]  # the router's fp32 weights
         if backend(x_ND) != "reference":  # Triton (CUDA, Ascend): a token sums its k rows in one program
             moe_kernels = impl("moe_permute", x_ND)
 
             inv = torch.empty_like(order)
             inv[order] = torch.arange(order.numel(), device=order.device)
             inv = inv.view_as(idx_NK)
-            y = self.grouped(moe_kernels.permute(x_ND, tok, inv), counts)
-            return moe_kernels.unpermute(y, inv, w_NK).to(x_ND.dtype)  # the router's fp32 weights, fp32 sums
-        y = self.grouped(x_ND[tok], counts)
-        return torch.zeros_like(x_ND).index_add_(0, tok, y * w_NK.reshape(-1)[order, None].to(x_ND.dtype))
+            y = self.grouped(moe_kernels.permute(x_in, tok, inv), counts, w_M)
+            return moe_kernels.unpermute(y, inv).to(x_ND.dtype)  # fp32 sums
+        y = self.grouped(x_in[tok], counts, w_M)
+        return torch.zeros_like(x_ND).index_add_(0, tok, y.to(x_ND.dtype))
 
 
 class MoE(nn.Module):
