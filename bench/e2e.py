@@ -538,6 +538,7 @@ def main() -> None:
         )
         for k, v in res.items():
             r[f"{side}_{k}"] = v
+        r[f"{side}_date"] = datetime.date.today().isoformat()  # the sides may be measured on other days
         hf, kiln = r.get("hf_tokens_per_s"), r.get("kiln_tokens_per_s")
         r["speedup"] = kiln / hf if hf and kiln else None
         r["memory_ratio"] = (
