@@ -21,7 +21,6 @@ import argparse
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from bench.cuda_time import DEV, median_ms
 from bench.variants import write_variant
@@ -29,10 +28,7 @@ from engine import device as accelerator
 from kiln_kernels.experimental import grouped_gemm
 from kiln_kernels.moe import grouped, reference
 from kiln_kernels.moe import triton as fused
-
-
-def swiglu(g, u):
-    return F.silu(g) * u
+from kiln_kernels.moe.reference import swiglu  # the engine's: the fused kernel on CUDA
 
 
 def timed(fn, params) -> float:

@@ -11,7 +11,8 @@ L = E / ep local experts, M rows received):
 3. regroup the M received rows by local expert, run the local experts (``Experts.grouped``:
    every one of them, even on zero rows, so every rank produces a gradient for every shard:
    FSDP's reduce-scatter needs the same set on all ranks), put the rows back in arrival order;
-4. all-to-all the results back, weight them by the router and add them into the tokens.
+4. all-to-all the results back (weighed already: the router's weights travel with the rows, and
+   the experts weigh their rows) and add them into the tokens.
 The sums into each token run in the same order as the single-device loop (expert by expert,
 tokens ascending), so ep=1 and ep>1 add the same terms in the same order.
 """

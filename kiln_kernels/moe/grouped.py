@@ -8,9 +8,10 @@ With frozen expert weights (LoRA) both projections are one autograd Function, ``
 same grouped GEMMs, sums and activation as autograd's composition (``mlp``), but its output, the
 gate/up product and the LoRA's rank-r products go through ``kiln_kernels.dispatch.kept`` as "experts":
 Swap Core can keep them (``cache_ops: experts``) and the recompute then runs no grouped GEMM. It
-saves the gate/up product, not the activation: the backward recomputes that (elementwise), and
-only when the down projection's LoRA needs it. SwiGLU runs fused, one Triton pass each way
-(``kiln_kernels.moe.triton.swiglu``); another activation (K3's SiTU) as autograd composes it."""
+saves the gate/up product, not the activation: the backward recomputes that (elementwise). SwiGLU
+runs fused on CUDA, one Triton pass each way (``kiln_kernels.moe.triton.swiglu_rows``: its
+backward recomputes the activation only when the down projection's LoRA needs it); another
+activation (K3's SiTU), or SwiGLU where dispatch picks the reference, as autograd composes it."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from kiln_kernels.dispatch import impl, kept
+from kiln_kernels.dispatch import OPS, choice, impl, kept
 from kiln_kernels.moe.reference import Lora, swiglu, weigh
 
 
@@ -133,12 +134,13 @@ class _Experts(torch.autograd.Function):
         keep_x = x if A1 is not None else None  # x only for A1's gradient: the layer's largest tensor
         ctx.save_for_backward(keep_x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2, w)
         ctx.s, ctx.act = s, act
+        ctx.fused = act is swiglu and choice("swiglu", x) == OPS["swiglu"].cuda  # as ``activate`` chose
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2, w = ctx.saved_tensors
-        if ctx.act is swiglu:  # fused: the activation again only for the down LoRA's gradient
+        if ctx.fused:  # the activation again only for the down LoRA's gradient
             from kiln_kernels.moe import triton as fused
 
             h = fused.swiglu_forward(gu, w) if A2 is not None else None

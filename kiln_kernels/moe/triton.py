@@ -104,7 +104,7 @@ def _forward(g: torch.Tensor, u: torch.Tensor, w: torch.Tensor | None, M: int, I
 
 
 def _backward(g, u, w, dh, dg, du, M: int, I: int, S: int) -> torch.Tensor | None:
-    dw = torch.empty(M, dtype=torch.float32, device=g.device) if w is not None else None
+    dw = torch.zeros(M, dtype=torch.float32, device=g.device) if w is not None else None
     if M and I:
         BM, BI = _tiles(I)
         wt = w.contiguous() if w is not None else g

@@ -4,7 +4,7 @@ and the LoRA factors, with empty experts and odd row counts, bf16 (tolerance 1e-
 dispatch back to the loop where grouped GEMMs do not apply (LoRA rank 4). With frozen expert
 weights the grouped path is one autograd Function (kept whole by Swap Core's ``experts``): bit for
 bit autograd's composition of the same grouped GEMMs. Both with K3's SiTU (autograd composes it)
-and with SwiGLU (the fused kernel, kiln_kernels.moe.triton.swiglu). Each row weighed by a
+and with SwiGLU (the fused kernel, kiln_kernels.moe.triton.swiglu_rows). Each row weighed by a
 routing weight (fp32, as the router gives it), whose gradient is checked too."""
 
 from __future__ import annotations

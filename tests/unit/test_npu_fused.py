@@ -229,6 +229,7 @@ def test_grouped_matmul_mlp_matches_the_reference(npu, with_lora, train_experts)
     counts = torch.tensor([3, 0, 7, 1, 9])  # an expert no row chose
     M = int(counts.sum())
     x = torch.randn(M, D, generator=g)
+    w = torch.rand(M, generator=g)  # the rows' routing weights: the experts weigh their rows
     W1 = torch.randn(E, 2 * I, D, generator=g) * 0.3
     W2 = torch.randn(E, D, I, generator=g) * 0.3
     dy = torch.randn(M, D, generator=g)
@@ -238,7 +239,7 @@ def test_grouped_matmul_mlp_matches_the_reference(npu, with_lora, train_experts)
     }
 
     def leaves(dtype):
-        out = {"x": x.to(dtype, copy=True).requires_grad_()}
+        out = {"x": x.to(dtype, copy=True).requires_grad_(), "w": w.to(dtype, copy=True).requires_grad_()}
         out["W1"], out["W2"] = (W.to(dtype, copy=True).requires_grad_(train_experts) for W in (W1, W2))
         if with_lora:
             for name, (A, B) in lora.items():
@@ -250,7 +251,7 @@ def test_grouped_matmul_mlp_matches_the_reference(npu, with_lora, train_experts)
 
     def run(fn, t):
         lo = {n: (t[n + ".A"], t[n + ".B"]) for n in lora} if with_lora else None
-        return fn(t["x"], counts, t["W1"], t["W2"], swiglu, lo, 0.5)
+        return fn(t["x"], counts, t["W1"], t["W2"], swiglu, lo, 0.5, t["w"])
 
     got, want = leaves(torch.float32), leaves(torch.float64)
     y = run(npu.moe.grouped_mlp, got)

@@ -478,6 +478,32 @@ def test_kept_experts_run_no_grouped_gemm_again(lora_on):
     assert core.peak["device"] > 0 and core.live["device"] == 0
 
 
+def test_frozen_experts_weigh_their_rows_with_swiglu_where_dispatch_picks_the_reference():
+    """SwiGLU on the CPU: the experts' Function composes it (the fused kernel is CUDA's) forward
+    and backward alike, each row weighed by its routing weight: autograd's composition bit for
+    bit, the weights' gradient included."""
+    from kiln_kernels.moe.reference import swiglu
+
+    torch.manual_seed(1)
+    block = FrozenExperts(("gate_up_proj", "down_proj"))
+    x = torch.randn(40, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(40, requires_grad=True)  # fp32, as the router gives them
+    dy = torch.randn(40, 32, dtype=torch.bfloat16)
+    leaves = [x, w, *block.parameters()]
+
+    def run(fn):
+        for t in leaves:
+            t.grad = None
+        y = fn(x * 2, block.counts, block.W1, block.W2, swiglu, block.lora, 2.0, w)
+        y.backward(dy)
+        return [y.detach(), *(t.grad for t in leaves)]
+
+    got = run(grouped.grouped_mlp)
+    want = run(lambda *a: grouped.mlp(grouped.gmm, *a[:-1], w_M=a[-1]))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(t.abs().sum() > 0 for t in want[1:])
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [
