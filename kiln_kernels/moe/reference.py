@@ -48,7 +48,23 @@ def grouped_mlp(
     scaling: float = 1.0,
     w_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[M, D] -> [M, D]: every expert on its own rows, weighed."""
+    """[M, D] -> [M, D]: every expert on its own rows, weighed (``per_expert``). Few rows (a decode
+    step: their gathered weights at most 2^22 numbers): ``per_row``, the same products row by row."""
+    few = x_MD.shape[0] * gate_up_E2ID[0].numel() <= 1 << 22
+    return (per_row if few else per_expert)(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling, w_M)
+
+
+def per_expert(
+    x_MD: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    act: Callable,
+    lora: Lora | None = None,
+    scaling: float = 1.0,
+    w_M: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loop over the experts, each on its rows."""
     lora = lora or {}
 
     def proj(name: str, W: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +81,34 @@ def grouped_mlp(
         gate, up = proj("gate_up_proj", gate_up_E2ID, e, rows).chunk(2, -1)
         out.append(proj("down_proj", down_EDI, e, weigh(act(gate, up), w)))
     return torch.cat(out) if out else x_MD.new_zeros(0, down_EDI.shape[1])
+
+
+def per_row(
+    x_MD: torch.Tensor,
+    counts_E: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    act: Callable,
+    lora: Lora | None = None,
+    scaling: float = 1.0,
+    w_M: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``grouped_mlp``'s products row by row, each row with its expert's weights gathered
+    ([M, out, in]): a dozen ops whatever the number of experts, where the loop runs a dozen an
+    expert (a decode step's few rows meet most experts once)."""
+    lora = lora or {}
+    e_M = torch.repeat_interleave(torch.arange(counts_E.shape[0], device=x_MD.device), counts_E.to(x_MD.device))
+
+    def proj(name: str, W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = torch.bmm(W[e_M], x[:, :, None])[..., 0]
+        if name not in lora:
+            return y
+        A, B = lora[name]
+        low = torch.bmm(B[e_M], torch.bmm(A[e_M], x.to(A.dtype)[:, :, None]))[..., 0]
+        return y + (low * scaling).to(x.dtype)
+
+    gate, up = proj("gate_up_proj", gate_up_E2ID, x_MD).chunk(2, -1)
+    return proj("down_proj", down_EDI, weigh(act(gate, up), w_M))
 
 
 def permute(x_ND: torch.Tensor, tok_M: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """LoRA merge/unmerge in place, its output dtype under autocast, the aux-loss-free router
-balancing and the experts' row counts."""
+balancing, the experts' row counts, and the experts' reference on a decode step's few rows."""
 
 from __future__ import annotations
 
@@ -95,3 +95,35 @@ def test_counts_of_sorted_ids_is_bincount(n, size):
     ids = torch.randint(0, n - 1, (size,), generator=torch.Generator().manual_seed(size))  # id n-1 never drawn
     got = counts_of(ids.sort()[0], n)
     assert got.dtype == torch.int64 and torch.equal(got, torch.bincount(ids, minlength=n)) and got[-1] == 0
+
+
+@pytest.mark.parametrize("act", ["swiglu", "situ"])
+def test_few_rows_run_row_by_row_as_the_loop_runs_them(act):
+    """kiln_kernels.moe.reference on a decode step's rows (``per_row``: each row's expert's weights
+    gathered) equals the loop over the experts (``per_expert``), float64, forward and every
+    gradient: rows, weights, LoRA factors on both projections, routing weights; an expert
+    without rows, one with several; and ``grouped_mlp`` takes it for few rows only."""
+    from engine.model.common.moe import ACTIVATIONS
+    from kiln_kernels.moe import reference
+
+    g = torch.Generator().manual_seed(5)
+    E, D, I, r = 6, 12, 10, 3
+    counts = torch.tensor([2, 0, 1, 4, 1, 1])
+    M = int(counts.sum())
+    t = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+    leaves = [t(M, D), t(E, 2 * I, D), t(E, D, I), t(E, r, D), t(E, 2 * I, r), t(E, r, I), t(E, D, r)]
+    leaves.append(torch.rand(M, generator=g, dtype=torch.float64).requires_grad_())
+    dy = torch.randn(M, D, generator=g, dtype=torch.float64)
+
+    def run(fn):
+        for p in leaves:
+            p.grad = None
+        x, W1, W2, A1, B1, A2, B2, w = leaves
+        y = fn(x, counts, W1, W2, ACTIVATIONS[act], {"gate_up_proj": (A1, B1), "down_proj": (A2, B2)}, 0.5, w)
+        y.backward(dy)
+        return [y.detach(), *(p.grad for p in leaves)]
+
+    got, want = run(reference.per_row), run(reference.per_expert)
+    assert all(rel(a, b) < 1e-12 for a, b in zip(got, want, strict=True))
+    assert all(b.abs().sum() > 0 for b in want)
+    assert torch.equal(run(reference.grouped_mlp)[0], got[0])  # 11 rows: few
