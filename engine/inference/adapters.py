@@ -24,6 +24,7 @@ from contextvars import ContextVar
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
@@ -95,7 +96,8 @@ def _active(rows: int, who: str) -> list[Route]:
 
 class ServedLinear(nn.Module):
     """A frozen linear layer plus named LoRA factors: y = W x, and for an adapter's rows
-    + scaling * B (A x)."""
+    + scaling * B (A x). Few ops a call (a decode step calls every layer for a handful of rows,
+    and its time is the host's): a span of all rows is not sliced, the product adds in place."""
 
     def __init__(self, base: nn.Linear):
         super().__init__()
@@ -105,13 +107,15 @@ class ServedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-        for name, a, b in _active(x2.shape[0], "a served linear layer"):
+        rows = x2.shape[0]
+        for name, a, b in _active(rows, "a served linear layer"):
             f = self.factors.get(name)
             if f is None:
                 continue
             A, B, s = f
-            low = (x2[a:b].to(A.dtype) @ A.t()) @ B.t() * s
-            y2[a:b] += low.to(y2.dtype)
+            xs, ys = (x2, y2) if (a, b) == (0, rows) else (x2[a:b], y2[a:b])
+            low = F.linear(F.linear(xs.to(A.dtype), A), B)
+            ys.add_(low if low.dtype == ys.dtype else low.to(ys.dtype), alpha=s)
         return y
 
     def effective_weight(self) -> torch.Tensor | None:
