@@ -53,6 +53,7 @@ class Cache:
         self.slots: list[int] = []
         self.past: list[int] = []
         self.new: list[int] = []
+        self.stepping = False
 
     def begin(self, slots: list[int], new: list[int]) -> torch.Tensor:
         """The next forward: ``new[d]`` tokens for slot ``slots[d]``; returns their positions [1, T]
@@ -61,6 +62,8 @@ class Cache:
             raise ValueError(f"a slot appears twice in one forward: {slots}")
         self.slots, self.new = list(slots), list(new)
         self.past = [self.length[s] for s in slots]
+        # every document one token that follows earlier ones: the batched one-step forms, no fresh state
+        self.stepping = all(n == 1 for n in new) and all(self.past)
         # one copy to the device a forward (each is a wait for the device: never one a layer)
         both = torch.tensor([slots, [p == 0 for p in self.past]]).to(self.device)
         self.index, self.fresh = both[0], both[1].bool()
@@ -80,10 +83,6 @@ class Cache:
         for s in dst:
             self.length[s] = self.length[src]
 
-    def _stepping(self) -> bool:
-        """Every document one token that follows earlier ones: the batched one-step forms."""
-        return all(n == 1 for n in self.new) and all(self.past)
-
     def _tensor(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         t = self.kept.get(key)
         if t is None or t.shape[1:] != shape or t.dtype != dtype:
@@ -96,8 +95,10 @@ class Cache:
         W, C = weight_C1W.shape[-1], x_1TC.shape[-1]
         tail = self._tensor(key, (W - 1, C), x_1TC.dtype)
         idx = self.index
-        before = torch.where(self.fresh[:, None, None], 0, tail[idx])  # [N, W - 1, C]: zeros before a fresh one
-        if self._stepping():  # one window of W a sequence: the definition, batched
+        before = tail[idx]  # [N, W - 1, C]
+        if not self.stepping:  # zeros before a fresh one
+            before = torch.where(self.fresh[:, None, None], 0, before)
+        if self.stepping:  # one window of W a sequence: the definition, batched
             window = torch.cat([before, x_1TC[0, :, None]], 1)
             tail[idx] = window[:, 1:]
             return conv_step(window, weight_C1W, head_norm)[None]
@@ -114,8 +115,10 @@ class Cache:
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
         state = self._tensor(key, (H, K, V), torch.promote_types(v.dtype, torch.float32))
         idx = self.index
-        h0 = torch.where(self.fresh[:, None, None, None], 0, state[idx])
-        if self._stepping():  # one token each: the recurrence itself, N sequences as a batch
+        h0 = state[idx]
+        if not self.stepping:
+            h0 = torch.where(self.fresh[:, None, None, None], 0, h0)
+        if self.stepping:  # one token each: the recurrence itself, N sequences as a batch
             N = len(self.slots)
             q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v, g, beta))  # [N, 1, ...]
             o, final = kda_recurrent(q, k, v, g, beta, initial_state=h0)
