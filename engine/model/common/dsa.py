@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.common.layers import Past, RMSNorm, autocast_input, doc_starts
+from engine.model.common.layers import Past, RMSNorm, absorbed_kv_b, autocast_input, doc_starts
 from kiln_kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
 
 
@@ -174,13 +174,5 @@ class GatedDSAttention(nn.Module):
         return sparse_attention(q, k, v, idx, scale), None
 
     def _absorbed(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``kv_b_proj``'s weight (LoRA included) as W_UK [H, nope, rank] and W_UV [H, v, rank];
-        (None, None) where LoRA dropout makes the layer more than one matrix. A layer that wraps
-        the linear one (``engine.lora.LoRALinear``) says what matrix it is by ``effective_weight``."""
-        layer = self.kv_b_proj
-        effective = getattr(layer, "effective_weight", None)
-        W = effective() if effective is not None else layer.weight
-        if W is None:
-            return None, None
-        W = W.view(self.H, self.nope + self.v, self.rank)
-        return W[:, : self.nope], W[:, self.nope :]
+        """``layers.absorbed_kv_b`` of this layer's ``kv_b_proj``."""
+        return absorbed_kv_b(self.kv_b_proj, self.H, self.nope, self.v, self.rank)

@@ -28,6 +28,22 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.get_autocast_dtype(dev))
 
 
+def absorbed_kv_b(
+    layer: nn.Module, H: int, nope: int, v: int, rank: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """MLA's ``kv_b_proj`` (LoRA included) as W_UK [H, nope, rank] and W_UV [H, v, rank], for the
+    absorbed form (the queries taken into the latent space, the latent the keys and values of every
+    head); (None, None) where the layer is more than one matrix (LoRA dropout while training, or a
+    served adapter's rows in the forward). A layer that wraps the linear one says what matrix it is
+    by ``effective_weight`` (engine.lora.LoRALinear, engine.inference.adapters.ServedLinear)."""
+    effective = getattr(layer, "effective_weight", None)
+    W: torch.Tensor | None = effective() if callable(effective) else layer.get_parameter("weight")
+    if W is None:
+        return None, None
+    W = W.view(H, nope + v, rank)
+    return W[:, :nope], W[:, nope:]
+
+
 class RMSNorm(nn.Module):
     """kiln_kernels.norm.rms_norm: in fp32, the result in the wider of the weight's and x's dtypes."""
 

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from engine.model.common.kda import KimiDeltaAttention
-from engine.model.common.layers import CausalLM, Past, RMSNorm, autocast_input, row_documents
+from engine.model.common.layers import CausalLM, Past, RMSNorm, absorbed_kv_b, autocast_input, row_documents
 from engine.model.common.moe import MLP, MoE
 from kiln_kernels.attention import varlen_attention
+from kiln_kernels.dispatch import backend
 
 
 @dataclass
@@ -113,11 +114,26 @@ class MLAttention(nn.Module):
         if past is not None:  # MLA's compressed row, rank + rope wide: the small thing to keep or gather
             rows, cu_k = past.keys(torch.cat([latent, k_shared.to(latent.dtype)], -1)[0], cu_seqlens, (id(self), "kv"))
             latent, k_shared = rows[None].split([self.rank, self.rope], -1)
-        S = latent.shape[1]
+        S, scale = latent.shape[1], (self.nope + self.rope) ** -0.5
+        # decoding on the CPU: the absorbed form (the queries taken into the latent space, the latent
+        # every head's keys and values), no kv_b_proj over every earlier row at every step; CUDA's
+        # attention kernels take the per-head form's head dims (the absorbed 576 / 512 they do not)
+        up, down = (None, None)
+        if past is not None and not torch.is_grad_enabled() and backend(x_1TD) == "reference":
+            up, down = absorbed_kv_b(self.kv_b_proj, self.H, self.nope, self.v, self.rank)
+        if up is not None and down is not None:
+            q_nope, q_rope = q.split([self.nope, self.rope], -1)
+            qa = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up.to(q_nope.dtype)), q_rope], -1)
+            k = torch.cat([latent, k_shared.to(latent.dtype)], -1)[0, :, None].expand(S, self.H, -1)
+            o = varlen_attention(
+                qa, k.to(qa.dtype), latent[0, :, None].expand(S, self.H, -1).to(qa.dtype), cu_seqlens, cu_k, scale=scale
+            )
+            o = torch.einsum("thr,hvr->thv", o, down.to(o.dtype))
+            return self.o_proj(o.reshape(1, T, -1))
         kv = self.kv_b_proj(latent).view(S, self.H, -1)
         k_nope, v = kv.split([self.nope, self.v], -1)
         k = torch.cat([k_nope, k_shared.view(S, 1, self.rope).expand(S, self.H, self.rope).to(k_nope.dtype)], -1)
-        o = varlen_attention(q, k, v, cu_seqlens, cu_k, scale=(self.nope + self.rope) ** -0.5)
+        o = varlen_attention(q, k, v, cu_seqlens, cu_k, scale=scale)
         return self.o_proj(o.reshape(1, T, -1))
 
 
