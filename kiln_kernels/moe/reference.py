@@ -48,9 +48,11 @@ def grouped_mlp(
     scaling: float = 1.0,
     w_M: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[M, D] -> [M, D]: every expert on its own rows, weighed (``per_expert``). Few rows (a decode
-    step: their gathered weights at most 2^22 numbers): ``per_row``, the same products row by row."""
-    few = x_MD.shape[0] * gate_up_E2ID[0].numel() <= 1 << 22
+    """[M, D] -> [M, D]: every expert on its own rows, weighed (``per_expert``). Few rows without
+    autograd (a decode step: their gathered weights at most 2^22 numbers): ``per_row``, the same
+    products row by row (its backward sums the gathered weights' gradients in no fixed order, so
+    training keeps the loop: Swap Core's recompute is bit-equal to the step without it)."""
+    few = not torch.is_grad_enabled() and x_MD.shape[0] * gate_up_E2ID[0].numel() <= 1 << 22
     return (per_row if few else per_expert)(x_MD, counts_E, gate_up_E2ID, down_EDI, act, lora, scaling, w_M)
 
 

@@ -102,7 +102,7 @@ def test_few_rows_run_row_by_row_as_the_loop_runs_them(act):
     """kiln_kernels.moe.reference on a decode step's rows (``per_row``: each row's expert's weights
     gathered) equals the loop over the experts (``per_expert``), float64, forward and every
     gradient: rows, weights, LoRA factors on both projections, routing weights; an expert
-    without rows, one with several; and ``grouped_mlp`` takes it for few rows only."""
+    without rows, one with several; and ``grouped_mlp`` takes it for few rows without autograd."""
     from engine.model.common.moe import ACTIVATIONS
     from kiln_kernels.moe import reference
 
@@ -126,4 +126,7 @@ def test_few_rows_run_row_by_row_as_the_loop_runs_them(act):
     got, want = run(reference.per_row), run(reference.per_expert)
     assert all(rel(a, b) < 1e-12 for a, b in zip(got, want, strict=True))
     assert all(b.abs().sum() > 0 for b in want)
-    assert torch.equal(run(reference.grouped_mlp)[0], got[0])  # 11 rows: few
+    with torch.no_grad():  # a decode step's: few rows, no autograd
+        args = (leaves[0], counts, leaves[1], leaves[2], ACTIVATIONS[act])
+        lora = {"gate_up_proj": (leaves[3], leaves[4]), "down_proj": (leaves[5], leaves[6])}
+        assert torch.equal(reference.grouped_mlp(*args, lora, 0.5, leaves[7]), got[0])

@@ -120,14 +120,14 @@ class MLAttention(nn.Module):
         # attention kernels take the per-head form's head dims (the absorbed 576 / 512 they do not)
         up, down = (None, None)
         if past is not None and not torch.is_grad_enabled() and backend(x_1TD) == "reference":
-            up, down = absorbed_kv_b(self.kv_b_proj, self.H, self.nope, self.v, self.rank)
+            if self._absorbing_pays(T, len(cu_seqlens) - 1):
+                up, down = absorbed_kv_b(self.kv_b_proj, self.H, self.nope, self.v, self.rank)
         if up is not None and down is not None:
             q_nope, q_rope = q.split([self.nope, self.rope], -1)
             qa = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up.to(q_nope.dtype)), q_rope], -1)
-            k = torch.cat([latent, k_shared.to(latent.dtype)], -1)[0, :, None].expand(S, self.H, -1)
-            o = varlen_attention(
-                qa, k.to(qa.dtype), latent[0, :, None].expand(S, self.H, -1).to(qa.dtype), cu_seqlens, cu_k, scale=scale
-            )
+            rows = torch.cat([latent, k_shared.to(latent.dtype)], -1)[0].to(qa.dtype)  # cast, then share
+            k, v = rows[:, None].expand(S, self.H, -1), rows[:, None, : self.rank].expand(S, self.H, -1)
+            o = varlen_attention(qa, k, v, cu_seqlens, cu_k, scale=scale)
             o = torch.einsum("thr,hvr->thv", o, down.to(o.dtype))
             return self.o_proj(o.reshape(1, T, -1))
         kv = self.kv_b_proj(latent).view(S, self.H, -1)
@@ -135,6 +135,12 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_shared.view(S, 1, self.rope).expand(S, self.H, self.rope).to(k_nope.dtype)], -1)
         o = varlen_attention(q, k, v, cu_seqlens, cu_k, scale=scale)
         return self.o_proj(o.reshape(1, T, -1))
+
+    def _absorbing_pays(self, T: int, docs: int) -> bool:
+        """The absorbed form spends (2 rank - nope - v) more multiply-adds per query and key than
+        the per-head one and saves kv_b_proj's (nope + v) rank per key: it pays while a document's
+        queries are fewer than their ratio (a decode step's one; not a prefill's hundreds)."""
+        return T * max(2 * self.rank - self.nope - self.v, 0) < docs * (self.nope + self.v) * self.rank
 
 
 class DecoderLayer(nn.Module):
