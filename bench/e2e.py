@@ -20,7 +20,9 @@ the slowest, ``first_step_compiles``); tokens/s from the median step; peak memor
 (the device's ``max_memory_allocated``, weights included) over the timed steps. Then one more step
 under the torch profiler, its GPU time split by op class (``CLASSES``): the forward's ops by the
 module they run in, the backward's by the forward op that made them (autograd's sequence
-numbers), ``host gaps`` = the step's wall time the GPU was idle.
+numbers), ``host gaps`` = the step's wall time the GPU was idle. ``--memory-breakdown`` (CUDA):
+one more step under the allocator's history, what is alive at its peak by allocation site
+(``peak_breakdown_gib``).
 
 Writes (merging with what the other side wrote) bench/results/e2e.json as
 ``{"rows": [{"tokens", "layout", "experts", "kiln_tokens_per_s", "kiln_peak_gib",
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import statistics
@@ -280,6 +283,46 @@ class Compiles:
         }
 
 
+def peak_breakdown(step, top: int = 12) -> dict[str, float]:
+    """GiB alive at one step's peak by where they were allocated (the innermost three engine /
+    kiln_kernels frames), from the CUDA allocator's history of that step replayed to its peak
+    (above what was alive before it: the weights, the optimizer's state)."""
+    cuda = torch.cuda
+    cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        step()
+        sync()
+        trace = cuda.memory._snapshot()["device_traces"][cuda.current_device()]
+    finally:
+        cuda.memory._record_memory_history(enabled=None)
+    cur = best = 0
+    at = -1
+    sizes: dict[int, int] = {}
+    for i, ev in enumerate(trace):  # where the peak falls
+        if ev["action"] == "alloc":
+            sizes[ev["addr"]] = ev["size"]
+            cur += ev["size"]
+            if cur > best:
+                best, at = cur, i
+        elif ev["action"] == "free_completed" and ev["addr"] in sizes:
+            cur -= sizes.pop(ev["addr"])
+    alive: dict[int, dict] = {}
+    for ev in trace[: at + 1]:  # what is alive there
+        if ev["action"] == "alloc":
+            alive[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            alive.pop(ev["addr"], None)
+
+    def where(ev: dict) -> str:
+        ours = [f for f in ev.get("frames", []) if "engine/" in f["filename"] or "kiln_kernels/" in f["filename"]]
+        return " <- ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in ours[:3]) or "?"
+
+    groups: dict[str, float] = defaultdict(float)
+    for ev in alive.values():
+        groups[where(ev)] += ev["size"] / 2**30
+    return {k: round(v, 3) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def build_checkpoint(folder: Path) -> None:
     import transformers
 
@@ -438,6 +481,7 @@ def run_side(
     profile: bool,
     record,
     trace_file: str | None,
+    breakdown: bool = False,
 ) -> None:
     first_done = False
     for with_experts in experts:
@@ -491,6 +535,8 @@ def run_side(
                             with open(trace_file, "a") as f:
                                 f.write(f"\n## {side.name} {T} {layout} experts={with_experts}\n")
                                 f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+                    if breakdown and DEV.type == "cuda":
+                        res["peak_breakdown_gib"] = peak_breakdown(functools.partial(side.step, docs))
                 except torch.OutOfMemoryError as e:
                     res = {"tokens_per_s": None, "peak_gib": None, "error": f"out of memory: {str(e)[:160]}"}
                 side.opt.zero_grad(set_to_none=True)
@@ -511,6 +557,9 @@ def main() -> None:
     p.add_argument("--ckpt", default=".cache/e2e-kimi-linear-48b-5l")
     p.add_argument("--out", default="bench/results/e2e.json")
     p.add_argument("--trace-file", default=None, help="each profiled step's kernel table, appended as text")
+    p.add_argument(
+        "--memory-breakdown", action="store_true", help="CUDA: what is alive at a step's peak, by allocation site"
+    )
     p.add_argument("--check", action="store_true", help="a tiny model on the CPU: the script runs, no more")
     a = p.parse_args()
     if a.check:
@@ -572,7 +621,18 @@ def main() -> None:
     choices: dict[str, list[type]] = {"kiln": [Kiln], "hf": [HF], "both": [Kiln, HF]}
     sides = choices[a.side]
     for side in sides:
-        run_side(side, folder, a.tokens, a.layouts, experts, a.steps, not a.no_profile, record, a.trace_file)
+        run_side(
+            side,
+            folder,
+            a.tokens,
+            a.layouts,
+            experts,
+            a.steps,
+            not a.no_profile,
+            record,
+            a.trace_file,
+            a.memory_breakdown,
+        )
     print(
         "\n| tokens | layout | experts | Kiln tok/s | HF tok/s | Kiln / HF | Kiln GiB | HF GiB | memory | "
         "Kiln first step s |"
