@@ -115,7 +115,7 @@ class ServedLinear(nn.Module):
             A, B, s = f
             xs, ys = (x2, y2) if (a, b) == (0, rows) else (x2[a:b], y2[a:b])
             low = F.linear(F.linear(xs.to(A.dtype), A), B)
-            ys.add_(low if low.dtype == ys.dtype else low.to(ys.dtype), alpha=s)
+            ys.add_(low.to(ys.dtype), alpha=s)
         return y
 
     def effective_weight(self) -> torch.Tensor | None:

@@ -96,12 +96,11 @@ class Cache:
         tail = self._tensor(key, (W - 1, C), x_1TC.dtype)
         idx = self.index
         before = tail[idx]  # [N, W - 1, C]
-        if not self.stepping:  # zeros before a fresh one
-            before = torch.where(self.fresh[:, None, None], 0, before)
-        if self.stepping:  # one window of W a sequence: the definition, batched
+        if self.stepping:  # one window of W a sequence (none of them fresh): the definition, batched
             window = torch.cat([before, x_1TC[0, :, None]], 1)
             tail[idx] = window[:, 1:]
             return conv_step(window, weight_C1W, head_norm)[None]
+        before = torch.where(self.fresh[:, None, None], 0, before)  # zeros before a fresh one
         bounds = cu.tolist()
         parts, keep = [], []
         for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
@@ -116,14 +115,13 @@ class Cache:
         state = self._tensor(key, (H, K, V), torch.promote_types(v.dtype, torch.float32))
         idx = self.index
         h0 = state[idx]
-        if not self.stepping:
-            h0 = torch.where(self.fresh[:, None, None, None], 0, h0)
-        if self.stepping:  # one token each: the recurrence itself, N sequences as a batch
+        if self.stepping:  # one token each (none of them fresh): the recurrence itself, N sequences as a batch
             N = len(self.slots)
             q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v, g, beta))  # [N, 1, ...]
             o, final = kda_recurrent(q, k, v, g, beta, initial_state=h0)
             o = o.view(1, N, H, V)
         else:
+            h0 = torch.where(self.fresh[:, None, None, None], 0, h0)  # a fresh one starts from zeros
             o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
         state[idx] = final.to(state.dtype)
         return o

@@ -19,14 +19,21 @@ from collections.abc import Callable
 
 import torch
 
-from kiln_kernels.dispatch import OPS, choice, impl, kept
+from kiln_kernels.dispatch import OPS, choice, kept
 from kiln_kernels.moe.reference import Lora, swiglu, weigh
+
+
+def fused(act: Callable, t: torch.Tensor) -> bool:
+    """Whether ``act`` runs as the fused SwiGLU kernel on ``t``'s device (dispatch's choice)."""
+    return act is swiglu and choice("swiglu", t) == OPS["swiglu"].cuda
 
 
 def activate(gu_M2I: torch.Tensor, act: Callable, w_M: torch.Tensor | None) -> torch.Tensor:
     """``act`` on the gate/up product's halves, weighed by ``w_M``: SwiGLU by the fused kernel on CUDA."""
-    if act is swiglu:
-        return impl("swiglu", gu_M2I).swiglu_rows(gu_M2I, w_M)
+    if fused(act, gu_M2I):
+        from kiln_kernels.moe import triton as kernels  # triton: CUDA machines only
+
+        return kernels.swiglu_rows(gu_M2I, w_M)
     return weigh(act(*gu_M2I.chunk(2, -1)), w_M)
 
 
@@ -134,18 +141,18 @@ class _Experts(torch.autograd.Function):
         keep_x = x if A1 is not None else None  # x only for A1's gradient: the layer's largest tensor
         ctx.save_for_backward(keep_x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2, w)
         ctx.s, ctx.act = s, act
-        ctx.fused = act is swiglu and choice("swiglu", x) == OPS["swiglu"].cuda  # as ``activate`` chose
+        ctx.fused = fused(act, x)  # as ``activate`` chose
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, offs, W1, W2, A1, B1, A2, B2, gu, t1, t2, w = ctx.saved_tensors
         if ctx.fused:  # the activation again only for the down LoRA's gradient
-            from kiln_kernels.moe import triton as fused
+            from kiln_kernels.moe import triton as kernels
 
-            h = fused.swiglu_forward(gu, w) if A2 is not None else None
+            h = kernels.swiglu_forward(gu, w) if A2 is not None else None
             dh, dA2, dB2 = _project_back(dy, h, offs, W2, A2, B2, t2, ctx.s, True)
-            dgu, dw = fused.swiglu_backward(gu, dh, w)
+            dgu, dw = kernels.swiglu_backward(gu, dh, w)
         else:
             with torch.enable_grad():  # the activation again, from the kept gate/up product
                 gu = gu.detach().requires_grad_()

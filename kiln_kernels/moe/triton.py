@@ -90,7 +90,7 @@ def _swiglu_bwd(G, U, WT, DH, DG, DU, DW, M, I, S, BM: tl.constexpr, BI: tl.cons
 
 def _tiles(I: int) -> tuple[int, int]:
     """The (rows, columns) tile of the SwiGLU kernels: ~4096 elements."""
-    BI = min(1024, triton.next_power_of_2(I))
+    BI = _row_block(I)
     return max(1, 4096 // BI), BI
 
 

@@ -118,10 +118,9 @@ class MLAttention(nn.Module):
         # decoding on the CPU: the absorbed form (the queries taken into the latent space, the latent
         # every head's keys and values), no kv_b_proj over every earlier row at every step; CUDA's
         # attention kernels take the per-head form's head dims (the absorbed 576 / 512 they do not)
-        up, down = (None, None)
-        if past is not None and not torch.is_grad_enabled() and backend(x_1TD) == "reference":
-            if self._absorbing_pays(T, len(cu_seqlens) - 1):
-                up, down = absorbed_kv_b(self.kv_b_proj, self.H, self.nope, self.v, self.rank)
+        decoding = past is not None and not torch.is_grad_enabled() and backend(x_1TD) == "reference"
+        absorbing = decoding and self._absorbing_pays(T, len(cu_seqlens) - 1)
+        up, down = absorbed_kv_b(self.kv_b_proj, self.H, self.nope, self.v, self.rank) if absorbing else (None, None)
         if up is not None and down is not None:
             q_nope, q_rope = q.split([self.nope, self.rope], -1)
             qa = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up.to(q_nope.dtype)), q_rope], -1)
