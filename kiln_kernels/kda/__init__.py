@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kiln_kernels.dispatch import impl
-from kiln_kernels.kda.reference import kda_recurrent
+from kiln_kernels.kda.reference import Gate, kda_recurrent
 
 
 def kda_chunk(
@@ -20,8 +20,13 @@ def kda_chunk(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    gate: Gate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return impl("kda_chunk", q, k, v, g, beta).kda_chunk(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+    """With ``gate``, g is the decay gate's raw projection and the decay ``kda_gate(g, *gate)``
+    is made inside the kernels (never held in fp32)."""
+    return impl("kda_chunk", q, k, v, g, beta).kda_chunk(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, gate
+    )
 
 
 def kda_gate(
@@ -33,4 +38,4 @@ def kda_gate(
     return impl("kda_gate", g_raw_BTHK, A_log_H).kda_gate(g_raw_BTHK, A_log_H, dt_bias_HK, lower_bound)
 
 
-__all__ = ["kda_chunk", "kda_gate", "kda_recurrent"]
+__all__ = ["Gate", "kda_chunk", "kda_gate", "kda_recurrent"]

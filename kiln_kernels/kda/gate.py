@@ -2,10 +2,13 @@
 forward and one backward. The reference's form, a chain of fp32 torch ops over the whole
 [B, T, H, K] gate (add the bias, exp, softplus or sigmoid, multiply), wrote and read the gate's
 fp32 size several times a layer (measured: bench/RESULTS.md, the fourteenth session's whole-step
-section). Here the forward reads g_raw
-(the projection's dtype) and writes g (fp32); the backward reads g_raw and dg and writes dg_raw,
-and, where A_log or dt_bias train (full training), the per-element terms of their gradients,
-summed by torch.
+section). Here the forward reads g_raw (the projection's dtype) and writes g (fp32); the backward
+reads g_raw and dg and writes dg_raw, and, where A_log or dt_bias train (full training), the
+per-element terms of their gradients, summed by torch.
+
+The same gate inside KDA's chunk cumulative sum (``kda_chunk(..., gate=...)``: ``_gated_cumsum``
+and ``_gated_cumsum_bwd``, launched by triton.py): the chunk kernels then keep g_raw for the
+backward, not an fp32 g of twice its size, and no pass writes g at all.
 
     x = g_raw + dt_bias,  a = exp(A_log[h])
     default:      g = -a softplus(x)              dg/dx = -a sigmoid(x)          dg/dA_log = g
@@ -20,25 +23,34 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln_kernels.kda.tiles import _put, _rows, _tile
+
 BLOCK = 1024
 
 
 @triton.jit
+def _decay(x, a, lb, SAFE: tl.constexpr):
+    """g and dg/dx from x = g_raw + dt_bias (fp32) and a = exp(A_log)."""
+    if SAFE:
+        s = tl.sigmoid(a * x)
+        g = lb * s
+        slope = lb * a * s * (1 - s)
+    else:
+        sp = tl.where(x > 20.0, x, tl.log(1 + tl.exp(tl.minimum(x, 20.0))))
+        g = -a * sp
+        slope = -a * tl.sigmoid(x)
+    return g, slope
+
+
+@triton.jit
 def _gate_terms(x_ptr, a_ptr, bias_ptr, offs, ok, HK, K, lb, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr):
-    """x (fp32, with the bias), a, and the pieces both passes need."""
+    """x (fp32, with the bias), g and dg/dx at flat offsets."""
     col = offs % HK
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         x += tl.load(bias_ptr + col, mask=ok, other=0.0).to(tl.float32)
     a = tl.exp(tl.load(a_ptr + col // K, mask=ok, other=0.0).to(tl.float32))
-    if SAFE:
-        s = tl.sigmoid(a * x)
-        g = lb * s
-        slope = lb * a * s * (1 - s)  # dg/dx
-    else:
-        sp = tl.where(x > 20.0, x, tl.log(1 + tl.exp(tl.minimum(x, 20.0))))
-        g = -a * sp
-        slope = -a * tl.sigmoid(x)
+    g, slope = _decay(x, a, lb, SAFE)
     return x, g, slope
 
 
@@ -80,6 +92,59 @@ def _bwd(
             tl.store(da_ptr + offs, dx * x, mask=ok)
         else:
             tl.store(da_ptr + offs, dg * g, mask=ok)
+
+
+@triton.jit
+def _gated_tile(RAW, A, BIAS, rows, ok, h, H, K, lb, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr):
+    """A chunk's rows of head h: x = g_raw + dt_bias, g (0 outside the rows) and dg/dx, fp32 [C, BK]."""
+    x = _tile(RAW, rows, ok, h, H, K, BK)
+    d = tl.arange(0, BK)
+    if HAS_BIAS:
+        x += tl.load(BIAS + h * K + d, mask=d < K, other=0.0).to(tl.float32)[None, :]
+    g, slope = _decay(x, tl.exp(tl.load(A + h).to(tl.float32)), lb, SAFE)
+    return x, tl.where(ok[:, None] & (d[None, :] < K), g, 0.0), slope
+
+
+@triton.jit
+def _gated_cumsum(RAW, A, BIAS, G, CHUNKS, H, K, lb, BK: tl.constexpr, HAS_BIAS: tl.constexpr, SAFE: tl.constexpr):
+    """Gamma = the chunk-local cumulative sum of the decay, made from the gate's raw projection
+    (kiln_kernels/kda/triton.py's ``_cumsum`` with the gate inside: g never in memory)."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    _, rows, ok, _ = _rows(CHUNKS, c)
+    _, g, _ = _gated_tile(RAW, A, BIAS, rows, ok, h, H, K, lb, BK, HAS_BIAS, SAFE)
+    _put(G, tl.cumsum(g, 0), rows, ok, h, H, K, BK)
+
+
+@triton.jit
+def _gated_cumsum_bwd(
+    DGAMMA,
+    RAW,
+    A,
+    BIAS,
+    DX,
+    DA,
+    CHUNKS,
+    H,
+    K,
+    lb,
+    BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SAFE: tl.constexpr,
+    NEED_DA: tl.constexpr,
+):
+    """dg = the reverse chunk-local cumulative sum of dGamma, then through the gate: d g_raw (and
+    the per-element terms of A_log's gradient), as ``_bwd`` makes them."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    _, rows, ok, _ = _rows(CHUNKS, c)
+    dg = tl.cumsum(_tile(DGAMMA, rows, ok, h, H, K, BK), 0, reverse=True)
+    x, g, slope = _gated_tile(RAW, A, BIAS, rows, ok, h, H, K, lb, BK, HAS_BIAS, SAFE)
+    dx = dg * slope
+    _put(DX, dx, rows, ok, h, H, K, BK)
+    if NEED_DA:
+        if SAFE:
+            _put(DA, dx * x, rows, ok, h, H, K, BK)
+        else:
+            _put(DA, dg * g, rows, ok, h, H, K, BK)
 
 
 class _Gate(torch.autograd.Function):

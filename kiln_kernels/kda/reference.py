@@ -14,15 +14,29 @@ sequence: packed documents never see each other), an optional initial state per 
 return the final state per sequence.
 
 Legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, C chunk.
-Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log decay, <= 0); beta [B, T, H];
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] (log decay, <= 0; with ``kda_chunk``'s
+``gate``, the gate's raw projection); beta [B, T, H];
 initial_state [N, H, K, V]; returns o [B, T, H, V] in v's dtype (the math in fp32, or fp64 for
 fp64 inputs) and the final state [N, H, K, V] (fp32).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+class Gate(NamedTuple):
+    """The decay gate's parameters (``kda_gate``'s arguments after g_raw). Passed to ``kda_chunk``,
+    they make its g the gate's raw projection: the decay is ``kda_gate(g, *gate)``, which the
+    Triton form makes inside its kernels instead of holding it in fp32 (fla-core calls this
+    ``use_gate_in_kernel``)."""
+
+    A_log_H: torch.Tensor
+    dt_bias_HK: torch.Tensor | None = None
+    lower_bound: float | None = None
 
 
 def kda_gate(
@@ -111,7 +125,10 @@ def kda_chunk(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    gate: Gate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if gate is not None:
+        g = kda_gate(g, *gate)
     B, T, H, K = q.shape
     V = v.shape[-1]
     out = v.dtype

@@ -13,7 +13,10 @@ straddle two sequences. Per (chunk, head), with Gamma = cumsum(g) inside the chu
   ``_dstates`` (the chunks in reverse: dS at each chunk's end, dV'), ``_dlocal`` (every gradient
   that needs S, dS, V' or the inverse, and dA_qk, dA_kk), ``_dintra`` (the gradients through
   A_qk and A_kk; a program per 16-row block and 64 columns of K), then ``_cumsum`` reversed turns
-  dGamma into dg. No atomics: deterministic.
+  dGamma into dg. No atomics: deterministic;
+- with ``gate`` (the model's form), g is the decay gate's raw projection: gate.py's
+  ``_gated_cumsum`` makes the decay on its way into Gamma, and ``_gated_cumsum_bwd`` takes dGamma
+  through the reverse cumsum and the gate to d g_raw, so the fp32 decay is never stored.
 
 A_qk[i, j] = sum_d q_id k_jd e^(Gamma_id - Gamma_jd) (j <= i) has a decay per channel, so it is no
 plain product. In blocks of 16 rows it is: for a row block X and an earlier block J, with r the
@@ -40,7 +43,8 @@ import triton.language as tl
 from kiln_kernels.dispatch import dot_precision, kept, to_device
 from kiln_kernels.kda.chunk_bwd import _dintra, _dlocal, _dstates
 from kiln_kernels.kda.chunk_fwd import _cumsum, _intra, _output, _solve, _states, _wu
-from kiln_kernels.kda.reference import segments
+from kiln_kernels.kda.gate import _gated_cumsum, _gated_cumsum_bwd
+from kiln_kernels.kda.reference import Gate, segments
 from kiln_kernels.kda.tiles import C
 
 
@@ -75,17 +79,48 @@ class _Shapes:
         self.SPAN = 8.0 if q.dtype == torch.float16 else 80.0
 
 
-def _gamma_of(g, chunks, s: _Shapes) -> torch.Tensor:
-    """Gamma = cumsum(g) inside each chunk, fp32 (not saved: the backward computes it again)."""
+def _gamma_of(g, gate: Gate | None, chunks, s: _Shapes) -> torch.Tensor:
+    """Gamma = cumsum(g) inside each chunk, fp32 (not saved: the backward computes it again); with
+    ``gate``, g is the gate's raw projection and the decay is made on the way in."""
     G = g.new_empty(s.R, s.H, s.K, dtype=torch.float32)
-    _cumsum[(s.NC, s.H)](g, G, chunks, s.H, s.K, BK=s.BK, REVERSE=False)
+    if gate is None:
+        _cumsum[(s.NC, s.H)](g, G, chunks, s.H, s.K, BK=s.BK, REVERSE=False)
+    else:
+        A, bias, lb = gate
+        _gated_cumsum[(s.NC, s.H)](
+            g, A, A if bias is None else bias, G, chunks, s.H, s.K, float(lb or 0.0), **_gate_meta(gate, s)
+        )
     return G
 
 
-def _prepare(q, k, g, beta, scale, chunks, s: _Shapes):
+def _gate_meta(gate: Gate, s: _Shapes) -> dict:
+    return dict(BK=s.BK, HAS_BIAS=gate.dt_bias_HK is not None, SAFE=gate.lower_bound is not None)
+
+
+def _dg_of(dG, g, gate: Gate | None, chunks, s: _Shapes, need_A: bool, need_bias: bool):
+    """dg from dGamma by a reverse cumsum inside each chunk; with ``gate``, through the gate too:
+    d g_raw, and A_log's and dt_bias's gradients where they train."""
+    if gate is None:
+        dg = torch.empty_like(g)
+        _cumsum[(s.NC, s.H)](dG, dg, chunks, s.H, s.K, BK=s.BK, REVERSE=True)
+        return dg, None, None
+    A, bias, lb = gate
+    f32 = torch.float32
+    dx = torch.empty(g.shape, dtype=f32 if need_bias else g.dtype, device=g.device)  # fp32 until summed
+    da = torch.empty(g.shape, dtype=f32, device=g.device) if need_A else dx
+    meta = _gate_meta(gate, s)
+    _gated_cumsum_bwd[(s.NC, s.H)](
+        dG, g, A, A if bias is None else bias, dx, da, chunks, s.H, s.K, float(lb or 0.0), **meta, NEED_DA=need_A
+    )
+    d_A = da.view(-1, s.H, s.K).sum((0, 2)).to(A.dtype) if need_A else None
+    d_bias = dx.view(-1, s.H, s.K).sum(0).to(bias.dtype) if need_bias and bias is not None else None
+    return dx.to(g.dtype), d_A, d_bias
+
+
+def _prepare(q, k, g, gate, beta, scale, chunks, s: _Shapes):
     """Gamma, A_qk and (I + A_kk)^-1 (saved for the backward)."""
     R, H, K = s.R, s.H, s.K
-    G = _gamma_of(g, chunks, s)
+    G = _gamma_of(g, gate, chunks, s)
     Aqk = q.new_empty(R, H, C, dtype=s.low)
     Akk = q.new_empty(R, H, C, dtype=torch.float32)
     _intra[(s.NC * 4, H)](
@@ -133,7 +168,7 @@ def _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s: _Shapes):
 
 class _KDA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, h0, cu):
+    def forward(ctx, q, k, v, g, beta, scale, h0, cu, A_log, dt_bias, lower_bound):
         B, T, H, K = q.shape
         chunks, seq = _chunks(cu, q.device)
         s = _Shapes(q, v, chunks, seq)
@@ -141,9 +176,10 @@ class _KDA(torch.autograd.Function):
         q, k, v, g, beta = flat
         ctx.h0_dtype = h0.dtype if h0 is not None else None
         h0 = h0.float().contiguous() if h0 is not None else None
+        gate = None if A_log is None else Gate(A_log, dt_bias, lower_bound)
 
         def run():
-            G, Aqk, Mi = _prepare(q, k, g, beta, scale, chunks, s)
+            G, Aqk, Mi = _prepare(q, k, g, gate, beta, scale, chunks, s)
             _, _, QG, HS, VN, HT = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
             o = torch.empty(B, T, H, s.V, device=q.device, dtype=v.dtype)
             _output[(s.NC, H, triton.cdiv(s.V, s.BVS))](
@@ -152,17 +188,18 @@ class _KDA(torch.autograd.Function):
             return o, HT, Aqk, Mi
 
         o, HT, Aqk, Mi = kept("kda", run)  # all the backward saves but the inputs
-        ctx.save_for_backward(*flat, h0 if h0 is not None else HT.new_empty(0), chunks, seq, Aqk, Mi)
-        ctx.scale, ctx.s, ctx.has_h0 = scale, s, h0 is not None
+        ctx.save_for_backward(*flat, h0 if h0 is not None else HT.new_empty(0), chunks, seq, Aqk, Mi, A_log, dt_bias)
+        ctx.scale, ctx.s, ctx.has_h0, ctx.lower_bound = scale, s, h0 is not None, lower_bound
         return o, HT
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, chunks, seq, Aqk, Mi = ctx.saved_tensors
+        q, k, v, g, beta, h0, chunks, seq, Aqk, Mi, A_log, dt_bias = ctx.saved_tensors
         s, scale = ctx.s, ctx.scale
         h0 = h0 if ctx.has_h0 else None
+        gate = None if A_log is None else Gate(A_log, dt_bias, ctx.lower_bound)
         R, H, K, V, NC, N = s.R, s.H, s.K, s.V, s.NC, s.N
-        G = _gamma_of(g, chunks, s)
+        G = _gamma_of(g, gate, chunks, s)
         W, KD, QG, HS, VN, _ = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
         do = do.contiguous()
         f32 = torch.float32
@@ -256,8 +293,8 @@ class _KDA(torch.autograd.Function):
             num_warps=2,
         )
         db += dbp.sum(0)
-        dg = torch.empty_like(g)
-        _cumsum[(NC, H)](dG, dg, chunks, H, K, BK=s.BK, REVERSE=True)
+        need_A, need_bias = ctx.needs_input_grad[8], ctx.needs_input_grad[9]
+        dg, d_A, d_bias = _dg_of(dG, g, gate, chunks, s, need_A, need_bias)
         return (
             dqo,
             dko,
@@ -266,6 +303,9 @@ class _KDA(torch.autograd.Function):
             db.view(beta.shape).to(beta.dtype),
             None,
             DH0.to(ctx.h0_dtype) if ctx.has_h0 else None,
+            None,
+            d_A,
+            d_bias,
             None,
         )
 
@@ -280,13 +320,19 @@ def kda_chunk(
     initial_state: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 64,
+    gate: Gate | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``reference.kda_chunk`` in Triton (chunks of 64 whatever ``chunk_size`` says: the chunk
-    size changes the order of the sums, not the result). o in v's dtype, the final state in fp32."""
+    size changes the order of the sums, not the result). o in v's dtype, the final state in fp32.
+    With ``gate`` the decay is made from g inside the chunk cumulative sum (gate.py)."""
     B, T, H, K = q.shape
     if cu_seqlens is None:  # each row a sequence
         cu = list(range(0, B * T + 1, T)) if T else [0] * (B + 1)
     else:
         cu = [a for a, _ in segments(T, cu_seqlens, B)] + [T]  # checked as the reference checks them
     scale = K**-0.5 if scale is None else scale
-    return _KDA.apply(q, k, v, g, beta, scale, initial_state, cu)
+    A_log = dt_bias = lower_bound = None
+    if gate is not None:
+        A_log, lower_bound = gate.A_log_H.reshape(H).contiguous(), gate.lower_bound
+        dt_bias = None if gate.dt_bias_HK is None else gate.dt_bias_HK.reshape(H, K).contiguous()
+    return _KDA.apply(q, k, v, g, beta, scale, initial_state, cu, A_log, dt_bias, lower_bound)

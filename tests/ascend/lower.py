@@ -200,6 +200,11 @@ def cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
         beta = torch.rand(B, T, H, dtype=dtype).requires_grad_()
         h0 = torch.zeros(2, H, K, K, requires_grad=True)
         _backward(kda.kda_chunk(q, k, v, g, beta, K**-0.5, h0, torch.tensor([0, 70, 200])))
+        # the model's form: the decay made inside the kernels from the gate's raw projection, K3's
+        # safe gate with A_log and dt_bias trained (full training), the default one frozen (LoRA)
+        raw, A, bias = _grad(r(B, T, H, K), r(H, dt=torch.float32), r(H, K, dt=torch.float32))
+        _backward(kda.kda_chunk(q, k, v, raw, beta, K**-0.5, None, None, gate=kda.Gate(A, bias, -5.0)))
+        _backward(kda.kda_chunk(q, k, v, raw, beta, K**-0.5, gate=kda.Gate(A.detach(), bias.detach())))
 
     def fused_loss():
         h, W = _grad(r(256, 2304), r(4096, 2304))

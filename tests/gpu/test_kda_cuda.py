@@ -121,6 +121,57 @@ def test_the_gate_matches_the_reference(lower_bound, bias, trained, dtype):
         assert A.grad is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=gpu_only)])
+@pytest.mark.parametrize("lower_bound,bias,trained", [(None, True, True), (-5.0, True, False), (-5.0, False, True)])
+def test_the_gate_inside_the_kernels(lower_bound, bias, trained, dtype):
+    """``kda_chunk(..., gate=...)`` makes the decay inside its cumulative sum: the same output,
+    final state and gradients, bit for bit, as the gate's own kernels followed by ``kda_chunk``
+    (the same fp32 math in the same order), and the gradients of g_raw, A_log and dt_bias against
+    the float64 definition. Packed documents, one of them empty, one shorter than a row block."""
+    from kiln_kernels.kda import Gate, gate
+    from kiln_kernels.kda import triton as fast
+
+    lens, H, K, V = [5, 70, 0, 130], 2, 32, 16
+    cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0)
+    x = case(1, sum(lens), H, K, V, dtype, 11, False)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    r = lambda *s: torch.randn(*s, device=DEVICE, generator=g)
+    raw = (r(1, sum(lens), H, K) * 4).to(dtype).requires_grad_()
+    A = (r(H) * 0.5).requires_grad_(trained)
+    b = (r(H, K) * 0.5).requires_grad_(trained) if bias else None
+    do, dht = r(1, sum(lens), H, V), r(len(lens), H, K, V)
+
+    def run(inside: bool):
+        ins = {n: t.detach().requires_grad_() for n, t in x.items() if n != "g"}
+        r_ = raw.detach().requires_grad_()
+        if inside:
+            o, ht = fast.kda_chunk(**ins, g=r_, cu_seqlens=cu, gate=Gate(A, b, lower_bound))
+        else:
+            o, ht = fast.kda_chunk(**ins, g=gate.kda_gate(r_, A, b, lower_bound), cu_seqlens=cu)
+        ((o.float() * do).sum() + (ht * dht).sum()).backward()
+        params = [t.grad for t in (A, b) if t is not None and t.requires_grad]
+        for t in (A, b):
+            if t is not None:
+                t.grad = None
+        return [o, ht, r_.grad, *(ins[n].grad for n in ("q", "k", "v", "beta")), *params]
+
+    inside, apart = run(True), run(False)
+    assert len(inside) == 7 + trained * (1 + bias)
+    for a, w in zip(inside, apart, strict=True):
+        assert a.dtype == w.dtype and torch.equal(a, w)
+    ins64 = {n: t.detach().double() for n, t in x.items() if n != "g"}
+    raw64 = raw.detach().double().requires_grad_()
+    A64 = A.detach().double().requires_grad_(trained)
+    b64 = b.detach().double().requires_grad_(trained) if bias else None
+    o64, ht64 = reference.kda_chunk(**ins64, g=raw64, cu_seqlens=cu, gate=Gate(A64, b64, lower_bound))
+    ((o64 * do.double()).sum() + (ht64 * dht.double()).sum()).backward()
+    tol = TOL[dtype]
+    assert rel(inside[0], o64) < tol and rel(inside[1], ht64) < tol
+    assert inside[2].dtype == dtype and rel(inside[2], raw64.grad) < tol
+    if trained:  # sums over every token of dg, whose terms cancel: the looser bound of a sum
+        assert rel(inside[7], A64.grad) < 10 * tol and (b is None or rel(inside[8], b64.grad) < 10 * tol)
+
+
 @gpu_only
 @pytest.mark.parametrize("autocast", [False, True])
 def test_dispatch_and_the_model(autocast, monkeypatch):

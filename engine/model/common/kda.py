@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.model.common.layers import GatedRMSNorm, Past, autocast_input, f32
 from kiln_kernels.conv import short_conv
-from kiln_kernels.kda import kda_chunk, kda_gate
+from kiln_kernels.kda import Gate, kda_chunk, kda_gate
 
 
 class ForgetGate(nn.Module):
@@ -28,9 +28,16 @@ class ForgetGate(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1))
         self.H, self.K, self.lower_bound = H, K, lower_bound
 
+    def raw(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The low-rank projection, before the decay is made of it: [B, T, H, K]."""
+        return self.f_b_proj(self.f_a_proj(x_BTD)).view(*x_BTD.shape[:2], self.H, self.K)
+
+    @property
+    def params(self) -> Gate:
+        return Gate(self.A_log.view(self.H), self.dt_bias.view(self.H, self.K), self.lower_bound)
+
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        g = self.f_b_proj(self.f_a_proj(x_BTD)).view(*x_BTD.shape[:2], self.H, self.K)
-        return kda_gate(g, self.A_log.view(self.H), self.dt_bias.view(self.H, self.K), self.lower_bound)
+        return kda_gate(self.raw(x_BTD), *self.params)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -87,13 +94,14 @@ class KimiDeltaAttention(nn.Module):
                 y = past.conv(y, w, cu_seqlens, norm, (id(self), name))
             qkv.append(y.view(B, T, self.H, self.K))
         q, k, v = qkv
-        g = self.forget_gate(x_BTD)
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
-        if past is None:
-            o, _ = kda_chunk(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+        if past is None:  # the decay made inside the kernels: kept as the raw projection, not in fp32
+            o, _ = kda_chunk(
+                q, k, v, self.forget_gate.raw(x_BTD), beta, cu_seqlens=cu_seqlens, gate=self.forget_gate.params
+            )
         else:
             assert cu_seqlens is not None
-            o = past.delta_rule(q, k, v, g, beta, cu_seqlens, (id(self), "S"))
+            o = past.delta_rule(q, k, v, self.forget_gate(x_BTD), beta, cu_seqlens, (id(self), "S"))
         gate = self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD))
         gate = gate.view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))
