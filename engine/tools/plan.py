@@ -148,7 +148,7 @@ def report(c: ModelConfig, plan: Plan, per_node: int) -> str:
 # Kimi Linear on one sequence: memory per device for a length, and the context-parallel size
 
 
-LOSS_CHUNK = 2 << 30  # kiln_kernels.loss.triton.CHUNK_BYTES: the fused loss's logits at most this
+LOSS_CHUNK = 512 << 20  # kiln_kernels.loss.triton.CHUNK_BYTES: the fused loss's logits at most this
 
 
 def kimi_linear_parameters(c: KimiLinearConfig) -> tuple[int, int]:
@@ -195,7 +195,7 @@ def kimi_linear_lora(
 
 def kimi_linear_token_bytes(c: KimiLinearConfig, i: int) -> dict[str, int]:
     """What layer ``i`` keeps for the backward, bytes a token, as the engine's ops save it on CUDA
-    under bf16 autocast (fp32 residual stream and norms; bf16 activations; KDA's gate and output
+    under bf16 autocast (fp32 residual stream and norms; bf16 activations; KDA's output
     in fp32): ``saved`` without recompute (the norms', the attention block's and the MLP block's),
     ``kept`` under Swap Core's default ``selective`` recompute (the two block inputs, the norms'
     inputs, the kernels' kept outputs) and ``block``, the largest block's saved bytes (live while
@@ -208,11 +208,11 @@ def kimi_linear_token_bytes(c: KimiLinearConfig, i: int) -> dict[str, int]:
         kernel = 0  # one document: SDPA (recomputed); packed: the varlen kernels' o and lse
     else:
         HK, H = c.linear_num_heads * c.linear_head_dim, c.linear_num_heads
-        # x (bf16, read by the projections); q k v before and after their convolutions; the gate's
-        # input (bf16) and output (fp32); KDA's A_qk and inverse (bf16, 64 a head); its output (fp32),
-        # bf16 copy, the output gate and the norm's output
+        # x (bf16, read by the projections); q k v before and after their convolutions; the decay
+        # gate's raw projection (bf16: KDA's kernels make the decay from it); KDA's A_qk and inverse
+        # (bf16, 64 a head); its output (fp32), bf16 copy, the output gate and the norm's output
         kernel = f32 * HK + 2 * bf * 64 * H
-        attn = bf * D + 6 * bf * HK + bf * HK + f32 * HK + 2 * bf * 64 * H + bf * HK * 3
+        attn = bf * D + 6 * bf * HK + bf * HK + 2 * bf * 64 * H + bf * HK * 3
     k, E = c.num_experts_per_token, c.num_experts
     if c.mlp_layer_types[i] == "sparse":
         I, Is = c.moe_intermediate_size, c.num_shared_experts * c.moe_intermediate_size

@@ -18,7 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK_BYTES = 2 << 30  # a chunk's logits at most 2 GiB: 3% faster than 0.5 GiB on the H200 (bench/loss.py)
+# A chunk's logits at most 0.5 GiB. The loss's forward comes when every activation of the step is
+# alive, so its chunk sits on the step's peak: 2 GiB chunks ran the loss at 1.02-1.035x Liger's
+# speed on the H200 and 0.5 GiB ones at 1.00x (bench/loss.py's sweep, 32k tokens, bench/RESULTS.md),
+# but the former hold the 8k step's peak 0.75 GiB higher.
+CHUNK_BYTES = 512 << 20
 BLOCK, WARPS = 8192, 8  # columns a loop step and warps a row: within noise of the best (same sweep)
 
 
