@@ -56,10 +56,11 @@ def lora_linear(
     x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, A: torch.Tensor, B: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """``F.linear(x, W, b) + F.linear(F.linear(x, A) * scaling, B)`` for a frozen W and b, cast as
-    autocast casts it, as one autograd Function with autograd's own products and sums (dx summed in
-    x's dtype, the factors' gradients in theirs). The whole output (and A x) goes through
+    autocast casts it, as one autograd Function. The adapter's product is summed into the base's by
+    the GEMM itself (``addmm_``, one rounding, no separate add), forward and for dx; the factors'
+    gradients are autograd's own products, in their dtype. The whole output (and A x) goes through
     ``kiln_kernels.dispatch.kept`` as "projection": kept, the recompute skips the base product, both
-    factor products, the scaling and the sum, and casts x once for the backward."""
+    factor products and the scaling, and casts x once for the backward."""
     dt = _autocast_dtype(x)
     W, b = _cast(W, dt), _cast(b, dt)
     with torch.autocast(x.device.type, enabled=False):
@@ -94,7 +95,9 @@ class _LoRAProduct(torch.autograd.Function):
 
         def run():
             t = F.linear(xc, Ac) * s
-            return F.linear(xc, W, b) + F.linear(t, Bc), t
+            y = F.linear(xc, W, b)  # out of place: Swap Core may keep this product ("mm")
+            n = y.shape[-1]
+            return torch.addmm(y.view(-1, n), t.view(-1, t.shape[-1]), Bc.t()).view(y.shape), t
 
         out, t = kept("projection", run)
         ctx.save_for_backward(xc, W, Ac, Bc, t)
@@ -110,8 +113,8 @@ class _LoRAProduct(torch.autograd.Function):
         dts = dy2.mm(Bc) * ctx.s
         dA = dts.t().mm(x2)
         dx = None
-        if ctx.needs_input_grad[0]:  # each path back in x's dtype, then summed, as autograd sums them
-            dx = (dy2.mm(W).to(x_dt) + dts.mm(Ac).to(x_dt)).view(*dy.shape[:-1], W.shape[1])
+        if ctx.needs_input_grad[0]:  # both paths back in one GEMM's sum, then in x's dtype
+            dx = dy2.mm(W).addmm_(dts, Ac).to(x_dt).view(*dy.shape[:-1], W.shape[1])
         return dx, None, None, dA.to(A_dt), dB.to(B_dt), None, None
 
 
