@@ -24,7 +24,7 @@ from engine.inference.adapters import key_layout
 from kiln_kernels.conv import short_conv
 from kiln_kernels.conv.reference import head_l2_norm
 from kiln_kernels.dsa import indexer_topk
-from kiln_kernels.kda import kda_chunk, kda_recurrent
+from kiln_kernels.kda import kda_chunk, kda_step
 
 
 def conv_step(window_NWC: torch.Tensor, weight_C1W: torch.Tensor, head_norm: int) -> torch.Tensor:
@@ -34,7 +34,7 @@ def conv_step(window_NWC: torch.Tensor, weight_C1W: torch.Tensor, head_norm: int
     dev = window_NWC.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else window_NWC.dtype
     up = torch.promote_types(window_NWC.dtype, torch.float32)
-    y = F.silu(torch.einsum("nwc,cw->nc", window_NWC.to(up), weight_C1W[:, 0].to(up))).to(dt)
+    y = F.silu((window_NWC.to(up) * weight_C1W[:, 0].t().to(up)).sum(1)).to(dt)
     return head_l2_norm(y, head_norm) if head_norm else y
 
 
@@ -65,8 +65,8 @@ class Cache:
         # every document one token that follows earlier ones: the batched one-step forms, no fresh state
         self.stepping = all(n == 1 for n in new) and all(self.past)
         # one copy to the device a forward (each is a wait for the device: never one a layer)
-        both = torch.tensor([slots, [p == 0 for p in self.past]]).to(self.device)
-        self.index, self.fresh = both[0], both[1].bool()
+        both = torch.tensor([slots, [p == 0 for p in self.past], self.past]).to(self.device)
+        self.index, self.fresh, self.at = both[0], both[1].bool(), both[2]
         return torch.cat([torch.arange(p, p + n) for p, n in zip(self.past, new, strict=True)])[None]
 
     def advance(self) -> None:
@@ -115,33 +115,43 @@ class Cache:
         state = self._tensor(key, (H, K, V), torch.promote_types(v.dtype, torch.float32))
         idx = self.index
         h0 = state[idx]
-        if self.stepping:  # one token each (none of them fresh): the recurrence itself, N sequences as a batch
-            N = len(self.slots)
-            q, k, v, g, beta = (t.transpose(0, 1) for t in (q, k, v, g, beta))  # [N, 1, ...]
-            o, final = kda_recurrent(q, k, v, g, beta, initial_state=h0)
-            o = o.view(1, N, H, V)
+        if self.stepping:  # one token each (none of them fresh): the recurrence's step, N sequences as a batch
+            o, final = kda_step(q[0], k[0], v[0], g[0], beta[0], h0)
+            o = o[None]
         else:
             h0 = torch.where(self.fresh[:, None, None, None], 0, h0)  # a fresh one starts from zeros
             o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
         state[idx] = final.to(state.dtype)
         return o
 
-    def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept in autocast's dtype when autocast is on (MLA's fp32 latent, from its norm, only
-        ever enters kv_b_proj's matmul, which casts it anyway): half the memory, the same sums."""
+    def _key_rows(self, rows_TC: torch.Tensor, need: int, key) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new rows in the kept dtype, and the kept rows [slots, capacity >= need, C]. Kept in
+        autocast's dtype when autocast is on (MLA's fp32 latent, from its norm, only ever enters
+        kv_b_proj's matmul, which casts it anyway): half the memory, the same sums."""
         dev = rows_TC.device.type
         if torch.is_autocast_enabled(dev) and rows_TC.dtype == torch.float32:
             rows_TC = rows_TC.to(torch.get_autocast_dtype(dev))
-        C = rows_TC.shape[-1]
-        lengths = [p + n for p, n in zip(self.past, self.new, strict=True)]  # each document's keys
-        need = max(lengths)
         kept = self.kept.get(key)
         if kept is None or kept.shape[1] < need or kept.dtype != rows_TC.dtype:
             cap = max(64, 1 << (need - 1).bit_length())
-            grown = torch.zeros(self.slots_total, cap, C, dtype=rows_TC.dtype, device=self.device)
+            grown = torch.zeros(self.slots_total, cap, rows_TC.shape[-1], dtype=rows_TC.dtype, device=self.device)
             if kept is not None and kept.dtype == rows_TC.dtype:
                 grown[:, : kept.shape[1]] = kept
             kept = self.kept[key] = grown
+        return rows_TC, kept
+
+    def step_keys(self, rows_NC: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self.stepping:
+            return None
+        need = max(self.past) + 1
+        rows_NC, kept = self._key_rows(rows_NC, need, key)
+        kept[self.index, self.at] = rows_NC
+        valid = torch.arange(need, device=self.device) <= self.at[:, None]
+        return kept[:, :need][self.index], valid
+
+    def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = [p + n for p, n in zip(self.past, self.new, strict=True)]  # each document's keys
+        rows_TC, kept = self._key_rows(rows_TC, max(lengths), key)
         bounds = cu.tolist()
         out = []
         for s, p, a, b in zip(self.slots, self.past, bounds, bounds[1:], strict=False):

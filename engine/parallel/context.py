@@ -214,6 +214,10 @@ class ContextShard:
         before = self.start - self.first_doc_start
         return self.key_rows(rows_TC, key), torch.cat([cu[:1], cu[1:] + before])
 
+    def step_keys(self, rows_NC: torch.Tensor, key) -> None:
+        """Context parallel runs no decode step."""
+        return None
+
     def key_starts(self, starts_BT: torch.Tensor) -> torch.Tensor:
         """Each query's document start among ``key_rows`` from its start in the slice: the first
         document begins at key 0, the others after the first's earlier part."""

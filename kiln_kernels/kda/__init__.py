@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kiln_kernels.dispatch import impl
-from kiln_kernels.kda.reference import Gate, kda_recurrent
+from kiln_kernels.kda.reference import Gate, kda_recurrent, kda_step
 
 
 def kda_chunk(
@@ -38,4 +38,4 @@ def kda_gate(
     return impl("kda_gate", g_raw_BTHK, A_log_H).kda_gate(g_raw_BTHK, A_log_H, dt_bias_HK, lower_bound)
 
 
-__all__ = ["Gate", "kda_chunk", "kda_gate", "kda_recurrent"]
+__all__ = ["Gate", "kda_chunk", "kda_gate", "kda_recurrent", "kda_step"]

@@ -113,3 +113,18 @@ def test_parity_with_fla_naive():
         x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], output_final_state=True
     )
     assert rel(ours, theirs_chunk) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_decode_step_is_the_recurrence_at_one_token(dtype):
+    """kda_step (the decoder's batched step) against kda_recurrent over one token of each of N
+    sequences from their states: the output and the new states, a scale given or not."""
+    from kiln_kernels.kda import kda_step
+
+    x = inputs(5, 1, 3, 16, 8, dtype=dtype, seed=3, state=True)
+    for scale in (None, 0.3):
+        want_o, want_s = kda_recurrent(**x, scale=scale)
+        o, s = kda_step(*(x[n][:, 0] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], scale)
+        assert o.dtype == dtype and o.shape == (5, 3, 8) and s.shape == want_s.shape
+        tol = 1e-12 if dtype == torch.float64 else 1e-6
+        assert rel(o, want_o[:, 0]) < tol and rel(s, want_s) < tol

@@ -151,6 +151,12 @@ class Past(Protocol):
         document's keys (kiln_kernels.attention's rule)."""
         ...
 
+    def step_keys(self, rows_NC: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a decode step (every document one token after earlier ones): ``keys`` as each
+        document's rows padded to the longest, [N, S, C], and which of them are its own, [N, S];
+        None for any other forward (then ``keys``, which this call has not touched)."""
+        ...
+
     def topk(self, q_BTJD, k_BSD, w_BTJ, starts_BT: torch.Tensor, cu: torch.Tensor, cu_k: torch.Tensor, topk: int):
         """``kiln_kernels.dsa.indexer_topk`` over ``keys``' rows: each query's choice among the
         keys of its own document up to itself, as indices into those rows. ``starts_BT``: each

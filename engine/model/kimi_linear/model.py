@@ -111,16 +111,23 @@ class MLAttention(nn.Module):
         q = self.q_proj(x_1TD).view(T, self.H, -1)
         latent, k_shared = self.kv_a_proj_with_mqa(x_1TD).split([self.rank, self.rope], -1)
         latent, cu_k = self.kv_a_layernorm(latent), None
+        scale = (self.nope + self.rope) ** -0.5
         if past is not None:  # MLA's compressed row, rank + rope wide: the small thing to keep or gather
-            rows, cu_k = past.keys(torch.cat([latent, k_shared.to(latent.dtype)], -1)[0], cu_seqlens, (id(self), "kv"))
+            new_rows = torch.cat([latent, k_shared.to(latent.dtype)], -1)[0]
+            up, down = self._absorbed() if not torch.is_grad_enabled() else (None, None)
+            step = past.step_keys(new_rows, (id(self), "kv")) if up is not None else None
+            if step is not None and up is not None and down is not None:  # a decode step, any device
+                o = self._absorbed_step(q, up, down, *step, scale)
+                return self.o_proj(o.reshape(1, T, -1))
+            rows, cu_k = past.keys(new_rows, cu_seqlens, (id(self), "kv"))
             latent, k_shared = rows[None].split([self.rank, self.rope], -1)
-        S, scale = latent.shape[1], (self.nope + self.rope) ** -0.5
+        S = latent.shape[1]
         # decoding on the CPU: the absorbed form (the queries taken into the latent space, the latent
         # every head's keys and values), no kv_b_proj over every earlier row at every step; CUDA's
         # attention kernels take the per-head form's head dims (the absorbed 576 / 512 they do not)
         decoding = past is not None and not torch.is_grad_enabled() and backend(x_1TD) == "reference"
         absorbing = decoding and self._absorbing_pays(T, len(cu_seqlens) - 1)
-        up, down = absorbed_kv_b(self.kv_b_proj, self.H, self.nope, self.v, self.rank) if absorbing else (None, None)
+        up, down = self._absorbed() if absorbing else (None, None)
         if up is not None and down is not None:
             q_nope, q_rope = q.split([self.nope, self.rope], -1)
             qa = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up.to(q_nope.dtype)), q_rope], -1)
@@ -134,6 +141,24 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_shared.view(S, 1, self.rope).expand(S, self.H, self.rope).to(k_nope.dtype)], -1)
         o = varlen_attention(q, k, v, cu_seqlens, cu_k, scale=scale)
         return self.o_proj(o.reshape(1, T, -1))
+
+    def _absorbed(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return absorbed_kv_b(self.kv_b_proj, self.H, self.nope, self.v, self.rank)
+
+    def _absorbed_step(
+        self, q_NHD: torch.Tensor, up: torch.Tensor, down: torch.Tensor, rows_NSC: torch.Tensor, valid_NS, scale: float
+    ) -> torch.Tensor:
+        """A decode step in the absorbed form (a query a document; ``past.step_keys``' padded key
+        rows): each query against its own document's latent rows, all heads in one product, the
+        scores and softmax in fp32 at least, the products in the rows' dtype (as a flash kernel
+        takes them). Returns [N, H, v]."""
+        q_nope, q_rope = q_NHD.split([self.nope, self.rope], -1)
+        qa = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up.to(q_nope.dtype)), q_rope], -1).to(rows_NSC.dtype)
+        up_t = torch.promote_types(rows_NSC.dtype, torch.float32)
+        s = torch.bmm(qa, rows_NSC.transpose(1, 2)).to(up_t) * scale  # [N, H, S]
+        p = s.masked_fill(~valid_NS[:, None], float("-inf")).softmax(-1).to(rows_NSC.dtype)
+        o = torch.bmm(p, rows_NSC[..., : self.rank])  # [N, H, rank]
+        return torch.einsum("thr,hvr->thv", o, down.to(o.dtype))
 
     def _absorbing_pays(self, T: int, docs: int) -> bool:
         """The absorbed form spends (2 rank - nope - v) more multiply-adds per query and key than
