@@ -10,7 +10,8 @@ MLA, KDA), saved by transformers and loaded by both sides from that folder. The 
 16 on q/k/v/o, the MLPs' and every expert's projections, every factor random (B too), saved by
 Kiln in PEFT's layout; PEFT loads it onto transformers' model, Kiln serves it beside the base.
 
-Each row: ``batch`` prompts of ``prompt`` random tokens, ``new`` tokens each, greedy, no early end.
+Each row: ``batch`` prompts of ``prompt`` random tokens, ``new`` tokens each, greedy, no early end;
+each side timed ``REPEAT`` times after a warm-up, the median reported.
 ``prefill_s``: to the first token; decode tokens/s: ``batch * (new - 1)`` over the time after it
 (transformers: timed by a streamer, called as each token comes; the H200 rows of 2026-12-04 timed
 the whole call less a prefill timed apart, a method the CPU's long prefills made useless).
@@ -32,6 +33,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from bench.e2e import EXPERTS, SHAPE, TARGETS, TINY
 from engine import device as accelerator
 
 RESULTS = Path(__file__).resolve().parent / "results" / "decode.json"
+REPEAT = 3  # timed runs a side and size, the median reported: either side moved by up to 80% between runs
 
 
 def build(folder: Path, shape: dict, device: torch.device) -> None:
@@ -118,19 +121,21 @@ def kiln(b, device: torch.device, batch: int, prompt: int, new: int) -> dict:
     dec.prefill(prompts[:1])  # warm-up: compiles, autotuning
     while dec.running:
         dec.step()
-    sync(device)
-    t0 = time.perf_counter()
-    dec.prefill(prompts)
-    sync(device)
-    t1 = time.perf_counter()
-    while len(dec.running) == batch and all(len(c.ids) < new - 1 for c in dec.running):
-        dec.step()
-    kept = {k: t for k, t in dec.cache.kept.items()}
-    lengths = [dec.cache.length[c.slot] for c in dec.running]
-    while dec.running:
-        dec.step()
-    sync(device)
-    t2 = time.perf_counter()
+    runs = []
+    for _ in range(REPEAT):
+        sync(device)
+        t0 = time.perf_counter()
+        dec.prefill(prompts)
+        sync(device)
+        t1 = time.perf_counter()
+        while len(dec.running) == batch and all(len(c.ids) < new - 1 for c in dec.running):
+            dec.step()
+        kept = {k: t for k, t in dec.cache.kept.items()}
+        lengths = [dec.cache.length[c.slot] for c in dec.running]
+        while dec.running:
+            dec.step()
+        sync(device)
+        runs.append((batch * (new - 1) / (time.perf_counter() - t1), t1 - t0))
     per_seq = kda = 0
     for (_, what), t in kept.items():
         row = t[0].numel() * t.element_size()
@@ -140,8 +145,8 @@ def kiln(b, device: torch.device, batch: int, prompt: int, new: int) -> dict:
             kda += row
         per_seq += row
     return {
-        "kiln_tokens_per_s": batch * (new - 1) / (t2 - t1),
-        "kiln_prefill_s": t1 - t0,
+        "kiln_tokens_per_s": median(r[0] for r in runs),
+        "kiln_prefill_s": median(r[1] for r in runs),
         "kiln_state_mib_per_seq": per_seq / 2**20,
         "kiln_kda_state_mib_per_seq": kda / 2**20,
     }
@@ -236,10 +241,10 @@ def hf(model, device: torch.device, batch: int, prompt: int, new: int) -> dict:
             pad_token_id=0,
         )
     state = tensor_bytes(out.past_key_values) / batch
-    t = run(new).times  # the prompt's put, then one a new token: prefill to the first, decode after it
+    runs = [run(new).times for _ in range(REPEAT)]  # the prompt's put, then one a new token: prefill to the first
     return {
-        "hf_tokens_per_s": batch * (new - 1) / (t[-1] - t[1]),
-        "hf_prefill_s": t[1] - t[0],
+        "hf_tokens_per_s": median(batch * (new - 1) / (t[-1] - t[1]) for t in runs),
+        "hf_prefill_s": median(t[1] - t[0] for t in runs),
         "hf_state_mib_per_seq": state / 2**20,
     }
 
