@@ -97,26 +97,27 @@ def _active(rows: int, who: str) -> list[Route]:
 class ServedLinear(nn.Module):
     """A frozen linear layer plus named LoRA factors: y = W x, and for an adapter's rows
     + scaling * B (A x). Few ops a call (a decode step calls every layer for a handful of rows,
-    and its time is the host's): a span of all rows is not sliced, the product adds in place."""
+    and its time is the host's): the rows as one matrix, a span of all rows not sliced, the
+    factors kept transposed (A^T [in, r], B^T [r, out]) and the adapter's product summed into the
+    base's by the GEMM (``addmm_``)."""
 
     def __init__(self, base: nn.Linear):
         super().__init__()
         self.base = base
-        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}  # name: (A^T, B^T, scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = F.linear(x2, self.base.weight, self.base.bias)
         rows = x2.shape[0]
         for name, a, b in _active(rows, "a served linear layer"):
             f = self.factors.get(name)
             if f is None:
                 continue
-            A, B, s = f
+            At, Bt, s = f
             xs, ys = (x2, y2) if (a, b) == (0, rows) else (x2[a:b], y2[a:b])
-            low = F.linear(F.linear(xs.to(A.dtype), A), B)
-            ys.add_(low.to(ys.dtype), alpha=s)
-        return y
+            ys.addmm_(torch.mm(xs.to(At.dtype), At), Bt, alpha=s)
+        return y2.view(*x.shape[:-1], y2.shape[-1])
 
     def effective_weight(self) -> torch.Tensor | None:
         """The layer as one matrix (a module that reads it, as DSA's absorbed attention does):
@@ -213,7 +214,7 @@ class Adapters:
         for path, (A, B) in linears.items():
             layer = self._served(path, ServedLinear)
             W = layer.base.weight
-            layer.factors[name] = (put(A, W), put(B, W), scaling)
+            layer.factors[name] = (put(A.t(), W), put(B.t(), W), scaling)
         for path, f in experts.items():
             served = self._served(path, ServedExperts)
             W = served.inner.gate_up_proj

@@ -211,6 +211,10 @@ def sample(logits: torch.Tensor, choices: list[Choice]) -> list[int]:
     """One token per row: argmax where the temperature is 0, else a draw from the softmax at that
     temperature cut to its top-p mass, by the exponential race (argmax of p / Exp(1) noise: a
     draw from p) on the choice's own generator. One read back for all rows."""
+    picks = logits.argmax(-1)  # every row's greedy choice, kept for the rows at temperature 0
+    drawn = [i for i, c in enumerate(choices) if c.prompt.sampling.temperature != 0]
+    if not drawn:
+        return picks.tolist()
     temps = torch.tensor([c.prompt.sampling.temperature or 1.0 for c in choices], device=logits.device)
     top_p = torch.tensor([c.prompt.sampling.top_p for c in choices], device=logits.device)
     probs = (logits / temps[:, None]).softmax(-1)
@@ -218,11 +222,7 @@ def sample(logits: torch.Tensor, choices: list[Choice]) -> list[int]:
         p, order = probs.sort(-1, descending=True)
         p = p.masked_fill(p.cumsum(-1) - p > top_p[:, None], 0.0)  # the first token always stays
         probs = torch.zeros_like(probs).scatter(-1, order, p)
-    picks = []
-    for i, c in enumerate(choices):
-        if c.prompt.sampling.temperature == 0:
-            picks.append(logits[i].argmax())
-        else:
-            noise = torch.empty_like(probs[i]).exponential_(generator=c.generator)
-            picks.append((probs[i] / noise).argmax())
-    return torch.stack(picks).tolist()
+    for i in drawn:
+        noise = torch.empty_like(probs[i]).exponential_(generator=choices[i].generator)
+        picks[i] = (probs[i] / noise).argmax()
+    return picks.tolist()
