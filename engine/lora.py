@@ -106,6 +106,11 @@ class _LoRAProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        with torch.autocast(dy.device.type, enabled=False):  # the forward's dtypes, whatever the caller's autocast
+            return _LoRAProduct._grads(ctx, dy)
+
+    @staticmethod
+    def _grads(ctx, dy):
         xc, W, Ac, Bc, t = ctx.saved_tensors
         x_dt, A_dt, B_dt = ctx.dtypes
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), xc.reshape(-1, xc.shape[-1])

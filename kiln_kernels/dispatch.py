@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,17 +30,17 @@ Backend = Literal["cuda", "npu", "reference"]
 def fast(*tensors: torch.Tensor) -> bool:
     """True when the CUDA kernel should run on these inputs: all on CUDA, none float64 (float64
     is for checking, and the kernels sum in fp32)."""
-    if os.environ.get("KILN_KERNELS", "auto") == "reference":
-        return False
-    return all(t.is_cuda and t.dtype != torch.float64 for t in tensors)
+    return backend(*tensors) == "cuda"
 
 
 def backend(*tensors: torch.Tensor) -> Backend:
-    """Whose kernels these inputs take: ``cuda`` (as ``fast``), ``npu`` (all on an Ascend NPU, none
-    float64), else ``reference``."""
-    if fast(*tensors):
+    """Whose kernels these inputs take: ``cuda`` (all on CUDA, none float64), ``npu`` (all on an
+    Ascend NPU, none float64), else ``reference`` (and always where KILN_KERNELS=reference)."""
+    if os.environ.get("KILN_KERNELS", "auto") == "reference":
+        return "reference"
+    if all(t.is_cuda and t.dtype != torch.float64 for t in tensors):
         return "cuda"
-    if tensors and os.environ.get("KILN_KERNELS", "auto") != "reference":
+    if tensors:
         if all(t.device.type == "npu" and t.dtype != torch.float64 for t in tensors):
             # a grid may pass 65,535 programs (a program per row): triton-ascend then maps the
             # programs onto the cores in a loop (launching as many as there are); our kernels'
@@ -156,8 +157,10 @@ def choice(op: str, *tensors: torch.Tensor) -> str:
 
 
 def impl(op: str, *tensors: torch.Tensor) -> ModuleType:
-    """``choice``'s module, imported (a kernel module imports triton: accelerator machines only)."""
-    return importlib.import_module(choice(op, *tensors))
+    """``choice``'s module, imported (a kernel module imports triton: accelerator machines only).
+    Every op call asks: an imported module comes from ``sys.modules`` without the import system."""
+    name = choice(op, *tensors)
+    return sys.modules.get(name) or importlib.import_module(name)
 
 
 def dot_precision(t: torch.Tensor) -> str:

@@ -126,16 +126,18 @@ def kda_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``kda_recurrent``'s step for N sequences at one token each, from their states: the same
     sums as a few batched products (a decoder's step, where the loop's einsums cost more than
-    their arithmetic). Returns o [N, H, V] in v's dtype and the states [N, H, K, V] (fp32)."""
+    their arithmetic). Returns o [N, H, V] in v's dtype and the states [N, H, K, V] (fp32: autocast
+    off inside, which would take the state's update to bf16)."""
     N, H, K = q_NHK.shape
     V = v_NHV.shape[-1]
     up = torch.promote_types(state_NHKV.dtype, torch.float32)
     scale = K**-0.5 if scale is None else scale
-    S = state_NHKV.to(up).reshape(N * H, K, V) * g_NHK.to(up).exp().reshape(N * H, K, 1)
-    k = k_NHK.to(up).reshape(N * H, 1, K)
-    err = v_NHV.to(up).reshape(N * H, 1, V) - torch.bmm(k, S)
-    S = torch.baddbmm(S, k.transpose(1, 2), err * beta_NH.to(up).reshape(N * H, 1, 1))
-    o = torch.bmm(q_NHK.to(up).reshape(N * H, 1, K) * scale, S)
+    with torch.autocast(q_NHK.device.type, enabled=False):
+        S = state_NHKV.to(up).reshape(N * H, K, V) * g_NHK.to(up).exp().reshape(N * H, K, 1)
+        k = k_NHK.to(up).reshape(N * H, 1, K)
+        err = v_NHV.to(up).reshape(N * H, 1, V) - torch.bmm(k, S)
+        S = torch.baddbmm(S, k.transpose(1, 2), err * beta_NH.to(up).reshape(N * H, 1, 1))
+        o = torch.bmm(q_NHK.to(up).reshape(N * H, 1, K) * scale, S)
     return o.view(N, H, V).to(v_NHV.dtype), S.view(N, H, K, V)
 
 

@@ -128,3 +128,6 @@ def test_a_decode_step_is_the_recurrence_at_one_token(dtype):
         assert o.dtype == dtype and o.shape == (5, 3, 8) and s.shape == want_s.shape
         tol = 1e-12 if dtype == torch.float64 else 1e-6
         assert rel(o, want_o[:, 0]) < tol and rel(s, want_s) < tol
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # a decoder under autocast: the state stays exact
+            o2, s2 = kda_step(*(x[n][:, 0] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], scale)
+        assert s2.dtype == s.dtype and torch.equal(s2, s) and torch.equal(o2, o)

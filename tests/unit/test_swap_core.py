@@ -207,6 +207,24 @@ def test_lora_linear_is_autograds_composition_summed_in_the_gemm(autocast, x_dty
         assert (got.double() - true).abs().max() <= (want.double() - true).abs().max() + ulp
 
 
+def test_lora_linear_backward_takes_the_forwards_dtypes():
+    """A forward without autocast and its backward called inside an autocast region: the backward's
+    products stay in the forward's dtypes (fp32 here), as autograd's own backward does."""
+    layer = LoRALinear(torch.nn.Linear(16, 24), rank=4, alpha=8, dropout=0.0)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()
+    x = torch.randn(3, 16)
+    grads = []
+    for autocast in (False, True):
+        xi = x.clone().requires_grad_(True)
+        y = layer(xi * 1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y.sum().backward()
+        grads.append((xi.grad, layer.lora_A.weight.grad.clone(), layer.lora_B.weight.grad.clone()))
+        layer.zero_grad()
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_frozen_linear_is_f_linear(autocast, bias):

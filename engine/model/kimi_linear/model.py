@@ -112,6 +112,7 @@ class MLAttention(nn.Module):
         latent, k_shared = self.kv_a_proj_with_mqa(x_1TD).split([self.rank, self.rope], -1)
         latent, cu_k = self.kv_a_layernorm(latent), None
         scale = (self.nope + self.rope) ** -0.5
+        up = down = None  # decoding: kv_b_proj as W_UK and W_UV, for the absorbed form
         if past is not None:  # MLA's compressed row, rank + rope wide: the small thing to keep or gather
             new_rows = torch.cat([latent, k_shared.to(latent.dtype)], -1)[0]
             up, down = self._absorbed() if not torch.is_grad_enabled() else (None, None)
@@ -122,13 +123,11 @@ class MLAttention(nn.Module):
             rows, cu_k = past.keys(new_rows, cu_seqlens, (id(self), "kv"))
             latent, k_shared = rows[None].split([self.rank, self.rope], -1)
         S = latent.shape[1]
-        # decoding on the CPU: the absorbed form (the queries taken into the latent space, the latent
-        # every head's keys and values), no kv_b_proj over every earlier row at every step; CUDA's
-        # attention kernels take the per-head form's head dims (the absorbed 576 / 512 they do not)
-        decoding = past is not None and not torch.is_grad_enabled() and backend(x_1TD) == "reference"
-        absorbing = decoding and self._absorbing_pays(T, len(cu_seqlens) - 1)
-        up, down = self._absorbed() if absorbing else (None, None)
-        if up is not None and down is not None:
+        # a decoder's prefill on the CPU: the absorbed form (the queries taken into the latent space,
+        # the latent every head's keys and values) where it pays; CUDA's attention kernels take the
+        # per-head form's head dims (the absorbed 576 / 512 they do not)
+        absorbing = up is not None and backend(x_1TD) == "reference" and self._absorbing_pays(T, len(cu_seqlens) - 1)
+        if absorbing and up is not None and down is not None:
             q_nope, q_rope = q.split([self.nope, self.rope], -1)
             qa = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up.to(q_nope.dtype)), q_rope], -1)
             rows = torch.cat([latent, k_shared.to(latent.dtype)], -1)[0].to(qa.dtype)  # cast, then share
@@ -149,16 +148,18 @@ class MLAttention(nn.Module):
         self, q_NHD: torch.Tensor, up: torch.Tensor, down: torch.Tensor, rows_NSC: torch.Tensor, valid_NS, scale: float
     ) -> torch.Tensor:
         """A decode step in the absorbed form (a query a document; ``past.step_keys``' padded key
-        rows): each query against its own document's latent rows, all heads in one product, the
-        scores and softmax in fp32 at least, the products in the rows' dtype (as a flash kernel
-        takes them). Returns [N, H, v]."""
+        rows): each query against its own document's latent rows, all heads in one product. The
+        scores and softmax in fp32 at least (from fp32 operands: bf16 scores lost 5-7x the accuracy
+        on peaked attention), the probabilities' product with the rows in the rows' dtype (as a
+        flash kernel takes them); autocast off, whatever the caller's. Returns [N, H, v]."""
         q_nope, q_rope = q_NHD.split([self.nope, self.rope], -1)
-        qa = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up.to(q_nope.dtype)), q_rope], -1).to(rows_NSC.dtype)
-        up_t = torch.promote_types(rows_NSC.dtype, torch.float32)
-        s = torch.bmm(qa, rows_NSC.transpose(1, 2)).to(up_t) * scale  # [N, H, S]
-        p = s.masked_fill(~valid_NS[:, None], float("-inf")).softmax(-1).to(rows_NSC.dtype)
-        o = torch.bmm(p, rows_NSC[..., : self.rank])  # [N, H, rank]
-        return torch.einsum("thr,hvr->thv", o, down.to(o.dtype))
+        wide = torch.promote_types(rows_NSC.dtype, torch.float32)
+        with torch.autocast(rows_NSC.device.type, enabled=False):
+            qa = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up.to(q_nope.dtype)), q_rope], -1)
+            s = torch.bmm(qa.to(wide), rows_NSC.to(wide).transpose(1, 2)) * scale  # [N, H, S]
+            p = s.masked_fill(~valid_NS[:, None], float("-inf")).softmax(-1).to(rows_NSC.dtype)
+            o = torch.bmm(p, rows_NSC[..., : self.rank])  # [N, H, rank]
+            return torch.einsum("thr,hvr->thv", o, down.to(o.dtype))
 
     def _absorbing_pays(self, T: int, docs: int) -> bool:
         """The absorbed form spends (2 rank - nope - v) more multiply-adds per query and key than
