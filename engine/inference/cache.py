@@ -24,7 +24,7 @@ from engine.inference.adapters import key_layout
 from kiln_kernels.conv import short_conv
 from kiln_kernels.conv.reference import head_l2_norm
 from kiln_kernels.dsa import indexer_topk
-from kiln_kernels.kda import kda_chunk, kda_step
+from kiln_kernels.kda import Gate, kda_chunk, kda_gate, kda_step
 
 
 def conv_step(window_NWC: torch.Tensor, weight_C1W: torch.Tensor, head_norm: int) -> torch.Tensor:
@@ -110,17 +110,18 @@ class Cache:
         tail[idx] = torch.stack([p[-(W - 1) :] for p in parts])
         return y[:, torch.cat(keep).to(y.device)]
 
-    def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key) -> torch.Tensor:
+    def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key, gate: Gate | None = None) -> torch.Tensor:
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
         state = self._tensor(key, (H, K, V), torch.promote_types(v.dtype, torch.float32))
         idx = self.index
         h0 = state[idx]
         if self.stepping:  # one token each (none of them fresh): the recurrence's step, N sequences as a batch
-            o, final = kda_step(q[0], k[0], v[0], g[0], beta[0], h0)
+            decay = kda_gate(g[0], *gate) if gate is not None else g[0]
+            o, final = kda_step(q[0], k[0], v[0], decay, beta[0], h0)
             o = o[None]
         else:
             h0 = torch.where(self.fresh[:, None, None, None], 0, h0)  # a fresh one starts from zeros
-            o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+            o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, gate=gate)
         state[idx] = final.to(state.dtype)
         return o
 

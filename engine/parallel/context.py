@@ -34,7 +34,7 @@ from engine.model.common.layers import cu_seqlens, rows_end_to_end
 from engine.model.common.recompute import recomputing
 from kiln_kernels.conv import short_conv
 from kiln_kernels.dsa import indexer_topk
-from kiln_kernels.kda import kda_chunk
+from kiln_kernels.kda import Gate, kda_chunk
 
 IGNORE = -100
 
@@ -189,12 +189,12 @@ class ContextShard:
         x, cu_halo = self.halo(x_1TC, n, key)
         return short_conv(x, weight_C1W, cu_halo, head_norm)[:, n:]
 
-    def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key) -> torch.Tensor:
+    def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key, gate: Gate | None = None) -> torch.Tensor:
         """The chunked delta rule from the previous rank's final state; this slice's last final
         state goes on to the next rank."""
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
         h0 = self.state_in(q, (H, K, V), len(cu) - 1, key)
-        o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
+        o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, gate=gate)
         return self.state_out(final[-1], o)
 
     def topk(self, q_BTJD, k_BSD, w_BTJ, starts_BT: torch.Tensor, cu: torch.Tensor, cu_k: torch.Tensor, topk: int):

@@ -14,11 +14,12 @@ from torch import nn
 
 from engine.model.common.layers import GatedRMSNorm, Past, autocast_input, f32
 from kiln_kernels.conv import short_conv
-from kiln_kernels.kda import Gate, kda_chunk, kda_gate
+from kiln_kernels.kda import Gate, kda_chunk
 
 
 class ForgetGate(nn.Module):
-    """The per-channel log decay: low-rank projection, then kda_gate (K3: lower bound -5)."""
+    """The per-channel log decay's parts: the low-rank projection (``raw``) and kda_gate's
+    parameters (``params``; K3: lower bound -5). KDA's kernels make the decay from them."""
 
     def __init__(self, hidden: int, H: int, K: int, lower_bound: float | None = None):
         super().__init__()
@@ -35,9 +36,6 @@ class ForgetGate(nn.Module):
     @property
     def params(self) -> Gate:
         return Gate(self.A_log.view(self.H), self.dt_bias.view(self.H, self.K), self.lower_bound)
-
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return kda_gate(self.raw(x_BTD), *self.params)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -95,13 +93,13 @@ class KimiDeltaAttention(nn.Module):
             qkv.append(y.view(B, T, self.H, self.K))
         q, k, v = qkv
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
-        if past is None:  # the decay made inside the kernels: kept as the raw projection, not in fp32
-            o, _ = kda_chunk(
-                q, k, v, self.forget_gate.raw(x_BTD), beta, cu_seqlens=cu_seqlens, gate=self.forget_gate.params
-            )
+        # the decay made inside the kernels from the gate's raw projection (kept, not an fp32 decay)
+        raw, gate = self.forget_gate.raw(x_BTD), self.forget_gate.params
+        if past is None:
+            o, _ = kda_chunk(q, k, v, raw, beta, cu_seqlens=cu_seqlens, gate=gate)
         else:
             assert cu_seqlens is not None
-            o = past.delta_rule(q, k, v, self.forget_gate(x_BTD), beta, cu_seqlens, (id(self), "S"))
+            o = past.delta_rule(q, k, v, raw, beta, cu_seqlens, (id(self), "S"), gate)
         gate = self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD))
         gate = gate.view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))

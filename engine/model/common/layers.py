@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln_kernels.kda import Gate
 from kiln_kernels.norm import gated_rms_norm, rms_norm
 
 
@@ -140,9 +141,9 @@ class Past(Protocol):
         tokens before it."""
         ...
 
-    def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key) -> torch.Tensor:
+    def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key, gate: Gate | None = None) -> torch.Tensor:
         """``kiln_kernels.kda.kda_chunk``'s output, each document starting from the state its
-        earlier tokens left."""
+        earlier tokens left (with ``gate``, g is the decay gate's raw projection, as kda_chunk's)."""
         ...
 
     def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
