@@ -54,6 +54,7 @@ class Cache:
         self.past: list[int] = []
         self.new: list[int] = []
         self.stepping = False
+        self.span: tuple[int, int] | None = None  # the slots, where they are consecutive and in order
 
     def begin(self, slots: list[int], new: list[int]) -> torch.Tensor:
         """The next forward: ``new[d]`` tokens for slot ``slots[d]``; returns their positions [1, T]
@@ -67,6 +68,8 @@ class Cache:
         # one copy to the device a forward (each is a wait for the device: never one a layer)
         both = torch.tensor([slots, [p == 0 for p in self.past], self.past]).to(self.device)
         self.index, self.fresh, self.at = both[0], both[1].bool(), both[2]
+        first = slots[0] if slots else 0
+        self.span = (first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
         return torch.cat([torch.arange(p, p + n) for p, n in zip(self.past, new, strict=True)])[None]
 
     def advance(self) -> None:
@@ -148,6 +151,8 @@ class Cache:
         rows_NC, kept = self._key_rows(rows_NC, need, key)
         kept[self.index, self.at] = rows_NC
         valid = torch.arange(need, device=self.device) <= self.at[:, None]
+        if self.span is not None:  # the slots in order: their rows as a view, not a copy of every row
+            return kept[self.span[0] : self.span[1], :need], valid
         return kept[:, :need][self.index], valid
 
     def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,15 +110,18 @@ def test_incremental_decode_equals_the_full_forward(models, name):
 
 
 def test_a_prompt_joins_sequences_already_decoding(models):
-    """Continuous batching: a prompt prefilled while others are mid-way decodes as if alone."""
+    """Continuous batching: a prompt prefilled while others are mid-way decodes as if alone; b ends
+    first, so a and c then step in slots 0 and 2 (the cache gathers their rows, not a view)."""
     model, tok, tpl = setup(models, "kimi-linear-tiny")
     dec = Recorder(model, tok, tpl, slots=4)
     dec.ends = set()
     a, b, c = prompts_for(model, tok, tpl, False, Sampling(max_tokens=8, seed=1))
+    b = Prompt(b.ids, None, None, Sampling(max_tokens=4, seed=1))
     dec.prefill([a, b])
     for _ in range(3):
         dec.step()
     dec.prefill([c])
+    assert [ch.slot for ch in dec.running] == [0, 2]
     while dec.running:
         dec.step()
     for p in (a, b, c):
