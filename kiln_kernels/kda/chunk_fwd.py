@@ -10,6 +10,7 @@ import triton.language as tl
 from kiln_kernels.kda.tiles import (
     _beta,
     _block,
+    _block_row,
     _chunk_of,
     _dot,
     _earlier_keys,
@@ -106,25 +107,21 @@ def _intra(
 @triton.jit
 def _solve(AKK, MI, CHUNKS, H):
     """Mi = (I + A_kk)^-1 by blocks of 16: the four diagonal blocks D_X by forward substitution
-    (side by side), then Mi_XJ = -D_X sum_{J <= L < X} A_XL Mi_LJ; into MI (the lower triangle)."""
+    (side by side; each step's row of A read from memory, not picked out of a tile by a sum), then
+    Mi_XJ = -D_X sum_{J <= L < X} A_XL Mi_LJ; into MI (the lower triangle)."""
     c, h = tl.program_id(0), tl.program_id(1)
     bos, _, _, last = _rows(CHUNKS, c)
     end = last + 1
     i16 = tl.arange(0, 16)
     r0, r1, r2, r3 = bos + i16, bos + 16 + i16, bos + 32 + i16, bos + 48 + i16
     k0, k1, k2, k3 = r0 < end, r1 < end, r2 < end, r3 < end
-    low = i16[None, :] < i16[:, None]
-    A00 = tl.where(low, _square(AKK, r0, k0, h, H, 0, 16), 0.0)
-    A11 = tl.where(low, _square(AKK, r1, k1, h, H, 16, 16), 0.0)
-    A22 = tl.where(low, _square(AKK, r2, k2, h, H, 32, 16), 0.0)
-    A33 = tl.where(low, _square(AKK, r3, k3, h, H, 48, 16), 0.0)
     D0 = tl.where(i16[:, None] == i16[None, :], 1.0, 0.0)
     D1, D2, D3 = D0, D0, D0
     for r in range(1, 16):
-        D0 = _unit_inverse_row(D0, A00, r, i16)
-        D1 = _unit_inverse_row(D1, A11, r, i16)
-        D2 = _unit_inverse_row(D2, A22, r, i16)
-        D3 = _unit_inverse_row(D3, A33, r, i16)
+        D0 = _unit_inverse_row(D0, _block_row(AKK, bos + r, end, h, H, 0, r, i16), r, i16)
+        D1 = _unit_inverse_row(D1, _block_row(AKK, bos + 16 + r, end, h, H, 16, r, i16), r, i16)
+        D2 = _unit_inverse_row(D2, _block_row(AKK, bos + 32 + r, end, h, H, 32, r, i16), r, i16)
+        D3 = _unit_inverse_row(D3, _block_row(AKK, bos + 48 + r, end, h, H, 48, r, i16), r, i16)
     A10 = _square(AKK, r1, k1, h, H, 0, 16)
     A20, A21 = _square(AKK, r2, k2, h, H, 0, 16), _square(AKK, r2, k2, h, H, 16, 16)
     A30, A31, A32 = (

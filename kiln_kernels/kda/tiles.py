@@ -134,10 +134,18 @@ def _spanned(G, row0, last, g_r, h, H, K, d0, BK: tl.constexpr, SPAN: tl.constex
 
 
 @triton.jit
-def _unit_inverse_row(D, A, r, i16):
+def _block_row(P, row, end, h, H, col0, r, i16):
+    """Of a [R, H, 64] chunk matrix's row ``row``, the 16 columns from col0 left of the diagonal
+    block's step r (j < r), fp32; zeros past the chunk's rows."""
+    return tl.load(P + (row.to(tl.int64) * H + h) * 64 + col0 + i16, mask=(i16 < r) & (row < end), other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def _unit_inverse_row(D, a_r, r, i16):
     """Forward substitution's step r on a 16 x 16 unit lower-triangular inverse: row r of D becomes
-    e_r - sum_j A_rj D_j (rows j < r are final)."""
-    a_r = tl.sum(tl.where(i16[:, None] == r, A, 0.0), 0)
+    e_r - sum_{j < r} a_rj D_j (rows j < r are final; a_r is row r of A, zero from r on)."""
     return tl.where(i16[:, None] == r, D - tl.sum(a_r[:, None] * D, 0)[None, :], D)
 
 
