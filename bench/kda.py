@@ -2,7 +2,8 @@
 (kiln_kernels/kda/triton.py) against fla-core's chunk_kda (its wheel carried to the GPU machine) and
 the PyTorch reference, in one run.
 
-    python3 -m bench.kda    # 32k and 128k tokens in documents of 8k, 16 and 64 heads, d 128, bf16
+    python3 -m bench.kda           # 32k and 128k tokens in documents of 8k, 16 and 64 heads, d 128, bf16
+    python3 -m bench.kda --tune    # our kernels' other launch settings, at the first shape
 
 q, k (L2-normalised), v and beta in bf16; g in fp32 from the bounded gate (K3's, lower bound -5);
 one packed row with cu_seqlens. FLOPs counted as in shared/MODEL_NOTES.md, per head
@@ -98,6 +99,46 @@ def profile(T: int, H: int, d: int, doc: int) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
 
 
+# other launch settings of our kernels (kiln_kernels.kda.triton.CONFIG), for --tune; the first of
+# each is today's
+CANDIDATES: dict[str, list[dict[str, int]]] = {
+    "solve": [dict(num_warps=8), dict(num_warps=4), dict(num_warps=2), dict(num_warps=1)],
+    "intra": [dict(num_warps=2), dict(num_warps=4), dict(num_warps=1)],
+    "wu": [dict(num_warps=8), dict(num_warps=4), dict(num_warps=8, num_stages=3)],
+    "states": [
+        dict(BV=64, num_stages=2),
+        dict(BV=32, num_stages=2),
+        dict(BV=64, num_warps=2, num_stages=2),
+        dict(BV=32, num_warps=2, num_stages=3),
+        dict(BV=64, num_warps=8, num_stages=2),
+        dict(BV=64, num_stages=3),
+    ],
+    "output": [dict(BV=64), dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],
+    "dstates": [dict(BV=64, num_stages=2), dict(BV=32, num_stages=2), dict(BV=64, num_warps=8, num_stages=2)],
+    "dlocal": [dict(BV=32, num_warps=8), dict(BV=32, num_warps=4), dict(BV=64, num_warps=8)],
+    "dintra": [dict(num_warps=2), dict(num_warps=4)],
+}
+
+
+def tune(T: int, H: int, d: int, doc: int) -> None:
+    """Each kernel's candidate launch settings at one shape, the others at theirs: our forward and
+    forward + backward ms (a setting that does not compile says so)."""
+    x, cu = inputs(T, H, d, doc)
+    fn = methods()["Kiln Triton"]
+    defaults = {k: dict(v) for k, v in ours.CONFIG.items()}
+    print(f"tune at {T} tokens x {H} heads (ms, forward / forward + backward)")
+    for name, cands in CANDIDATES.items():
+        for cand in cands:
+            ours.CONFIG.update(defaults)
+            ours.CONFIG[name] = cand
+            try:
+                m = measure(fn, x, cu)
+                print(f"{name} {cand}: {m['fwd_ms']:.3f} / {m['fwd_bwd_ms']:.3f}", flush=True)
+            except Exception as err:  # a setting that does not fit (shared memory, registers)
+                print(f"{name} {cand}: failed ({type(err).__name__}: {str(err)[:80]})", flush=True)
+    ours.CONFIG.update(defaults)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
@@ -106,9 +147,12 @@ def main() -> None:
     p.add_argument("--doc", type=int, default=8192)
     p.add_argument("--reference-up-to", type=int, default=32768 * 16, help="largest tokens x heads for the reference")
     p.add_argument("--profile", action="store_true", help="first, the kernels' times at the first shape")
+    p.add_argument("--tune", action="store_true", help="time other launch settings of our kernels instead")
     p.add_argument("--out", default="bench/results/kda.json")
     a = p.parse_args()
     d, C = a.dim, 64
+    if a.tune:
+        return tune(a.tokens[0], a.heads[0], d, a.doc)
     print(f"{accelerator.name(DEV)}, torch {torch.__version__}; d={d}, documents of {a.doc}, bf16")
     print(
         "| tokens | heads | method | fwd ms | fwd Mtok/s | fwd TFLOP/s | fwd+bwd ms | fwd+bwd Mtok/s | "

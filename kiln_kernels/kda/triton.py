@@ -60,15 +60,28 @@ def _chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+# Launch settings per kernel (bf16 on the H200; ``python3 -m bench.kda --tune`` times others). BV:
+# the V block of the chunk-by-chunk kernels and _output (more programs in flight; 16 and 32 measured
+# slower for bf16 on the H200), at most 32 for fp32 inputs, whose tiles take twice the shared memory.
+CONFIG: dict[str, dict[str, int]] = {
+    "intra": dict(num_warps=2),
+    "solve": dict(num_warps=8),
+    "wu": dict(num_warps=8),
+    "states": dict(BV=64, num_stages=2),
+    "output": dict(BV=64),
+    "dstates": dict(BV=64, num_stages=2),
+    "dlocal": dict(BV=32, num_warps=8),
+    "dintra": dict(num_warps=2),
+}
+
+
 class _Shapes:
     def __init__(self, q, v, chunks, seq):
         self.R, self.H, self.K = q.shape[0] * q.shape[1], q.shape[2], q.shape[3]
         self.V = v.shape[-1]
         self.NC, self.N = chunks.numel() // 2, seq.numel() // 2 - 1
         self.BK, self.BV = triton.next_power_of_2(self.K), triton.next_power_of_2(self.V)
-        # V block of the sequential kernels and _output (more programs in flight; 16 and 32 measured
-        # slower for bf16 on the H200); fp32 tiles take twice the shared memory
-        self.BVS = min(self.BV, 64 if q.element_size() == 2 else 32)
+        self.wide = q.element_size() > 2
         self.BKS = min(self.BK, 64)  # K block of _dlocal and _dintra
         self.PREC = dot_precision(q)
         self.DT = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(q.dtype, tl.float32)
@@ -77,6 +90,13 @@ class _Shapes:
         # the decay a diagonal block may span and still be a product (see _spanned): e^80 and e^-80 are
         # finite and normal in fp32 and bf16, fp16 reaches e^11 only
         self.SPAN = 8.0 if q.dtype == torch.float16 else 80.0
+
+    def launch(self, kernel: str) -> dict[str, int]:
+        """CONFIG's settings of a kernel, its V block fitted to V and the inputs' dtype."""
+        cfg = dict(CONFIG[kernel])
+        if "BV" in cfg:
+            cfg["BV"] = min(self.BV, cfg["BV"], 32 if self.wide else cfg["BV"])
+        return cfg
 
 
 def _gamma_of(g, gate: Gate | None, chunks, s: _Shapes) -> torch.Tensor:
@@ -124,10 +144,10 @@ def _prepare(q, k, g, gate, beta, scale, chunks, s: _Shapes):
     Aqk = q.new_empty(R, H, C, dtype=s.low)
     Akk = q.new_empty(R, H, C, dtype=torch.float32)
     _intra[(s.NC * 4, H)](
-        q, k, beta, G, Aqk, Akk, chunks, scale, H, K, BK=s.BK, DT=s.DT, PREC=s.PREC, SPAN=s.SPAN, num_warps=2
+        q, k, beta, G, Aqk, Akk, chunks, scale, H, K, BK=s.BK, DT=s.DT, PREC=s.PREC, SPAN=s.SPAN, **s.launch("intra")
     )
     Mi = q.new_empty(R, H, C, dtype=s.low)
-    _solve[(s.NC, H)](Akk, Mi, chunks, H, num_warps=8)
+    _solve[(s.NC, H)](Akk, Mi, chunks, H, **s.launch("solve"))
     return G, Aqk, Mi
 
 
@@ -137,12 +157,32 @@ def _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s: _Shapes):
     W, KD, QG = (k.new_empty(R, H, K, dtype=s.low) for _ in range(3))
     U = k.new_empty(R, H, V, dtype=s.low)
     _wu[(s.NC, H)](
-        q, k, v, beta, G, Mi, W, U, KD, QG, chunks, scale, H, K, V, BK=s.BK, BV=s.BV, DT=s.DT, PREC=s.PREC, num_warps=8
+        q,
+        k,
+        v,
+        beta,
+        G,
+        Mi,
+        W,
+        U,
+        KD,
+        QG,
+        chunks,
+        scale,
+        H,
+        K,
+        V,
+        BK=s.BK,
+        BV=s.BV,
+        DT=s.DT,
+        PREC=s.PREC,
+        **s.launch("wu"),
     )
     HS = k.new_empty(s.NC, H, K, V, dtype=s.low)
     VN = k.new_empty(R, H, V, dtype=s.low)
     HT = k.new_empty(s.N, H, K, V, dtype=torch.float32)
-    _states[(triton.cdiv(V, s.BVS), s.N * H)](
+    cfg = s.launch("states")
+    _states[(triton.cdiv(V, cfg["BV"]), s.N * H)](
         KD,
         W,
         U,
@@ -157,11 +197,10 @@ def _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s: _Shapes):
         K,
         V,
         BK=s.BK,
-        BV=s.BVS,
         HAS_H0=h0 is not None,
         DT=s.DT,
         PREC=s.PREC,
-        num_stages=2,
+        **cfg,
     )
     return W, KD, QG, HS, VN, HT
 
@@ -182,8 +221,9 @@ class _KDA(torch.autograd.Function):
             G, Aqk, Mi = _prepare(q, k, g, gate, beta, scale, chunks, s)
             _, _, QG, HS, VN, HT = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
             o = torch.empty(B, T, H, s.V, device=q.device, dtype=v.dtype)
-            _output[(s.NC, H, triton.cdiv(s.V, s.BVS))](
-                QG, Aqk, HS, VN, o, chunks, H, K, s.V, BK=s.BK, BV=s.BVS, DT=s.DT, PREC=s.PREC
+            cfg = s.launch("output")
+            _output[(s.NC, H, triton.cdiv(s.V, cfg["BV"]))](
+                QG, Aqk, HS, VN, o, chunks, H, K, s.V, BK=s.BK, DT=s.DT, PREC=s.PREC, **cfg
             )
             return o, HT, Aqk, Mi
 
@@ -206,7 +246,8 @@ class _KDA(torch.autograd.Function):
         DH = torch.empty_like(HS, dtype=f32)
         DVN = q.new_empty(R, H, V, dtype=s.low)
         DH0 = q.new_empty(N, H, K, V, dtype=f32)
-        _dstates[(triton.cdiv(V, s.BVS), N * H)](
+        cfg = s.launch("dstates")
+        _dstates[(triton.cdiv(V, cfg["BV"]), N * H)](
             QG,
             KD,
             G,
@@ -223,11 +264,10 @@ class _KDA(torch.autograd.Function):
             K,
             V,
             BK=s.BK,
-            BV=s.BVS,
             HAS_DHT=dht is not None,
             DT=s.DT,
             PREC=s.PREC,
-            num_stages=2,
+            **cfg,
         )
         dq, dk, dG = (q.new_empty(R, H, K, dtype=f32) for _ in range(3))
         dv = torch.empty_like(v)
@@ -258,10 +298,9 @@ class _KDA(torch.autograd.Function):
             K,
             V,
             BK=s.BKS,
-            BV=min(s.BV, 32),
             DT=s.DT,
             PREC=s.PREC,
-            num_warps=8,
+            **s.launch("dlocal"),
         )
         NKB = triton.cdiv(K, s.BKS)
         dbp = q.new_empty(NKB, R, H, dtype=f32)
@@ -290,7 +329,7 @@ class _KDA(torch.autograd.Function):
             DT=tl.float32,
             PREC=s.PREC,
             SPAN=s.SPAN,
-            num_warps=2,
+            **s.launch("dintra"),
         )
         db += dbp.sum(0)
         need_A, need_bias = ctx.needs_input_grad[8], ctx.needs_input_grad[9]
