@@ -17,6 +17,7 @@ from kiln_kernels.kda.tiles import (
     _gamma,
     _lower,
     _mm,
+    _operand_v,
     _put,
     _put_square,
     _put_v,
@@ -207,19 +208,31 @@ def _states(
     PREC: tl.constexpr,
 ):
     """Per sequence, head and block of V, the chunks in order: HS[c] = the state at chunk c's
-    start, VN = U - W S; the final state into HT."""
-    n, h, v0, S, c0, c1, s0, s1 = _walk(H0, HAS_H0, SEQ, H, K, VD, BK, BV)
+    start, VN = U - W S; the final state into HT. The state's rows in two halves of K, each its own
+    accumulator, and W and KD in their own dtype: one fp32 [BK, BV] state beside fp32 operand tiles
+    spilled ~1 KB of registers a program at K 128 (ptxas, sm_90), 0.8 KB this way."""
+    n, h, v0, _, c0, c1, s0, s1 = _walk(H0, HAS_H0, SEQ, H, K, VD, BK, BV)
+    HK: tl.constexpr = BK // 2 if BK >= 32 else 16  # a product's inner size is 16 at least
+    a0, b0 = _state_ptrs(H0, n, h, H, K, VD, 0, v0, HK, BV)
+    a1, b1 = _state_ptrs(H0, n, h, H, K, VD, HK, v0, HK, BV)
+    S0 = tl.load(a0, mask=b0 & HAS_H0, other=0.0).to(tl.float32)
+    S1 = tl.load(a1, mask=b1 & HAS_H0, other=0.0).to(tl.float32)
     for c in range(c0, c1):
-        p, m = _state_ptrs(HS, c, h, H, K, VD, 0, v0, BK, BV)
-        tl.store(p, S.to(HS.dtype.element_ty), mask=m)
+        p0, m0 = _state_ptrs(HS, c, h, H, K, VD, 0, v0, HK, BV)
+        p1, m1 = _state_ptrs(HS, c, h, H, K, VD, HK, v0, HK, BV)
+        tl.store(p0, S0.to(HS.dtype.element_ty), mask=m0)
+        tl.store(p1, S1.to(HS.dtype.element_ty), mask=m1)
         bos, rows, ok, last = _chunk_of(c, c0, s0, s1)
-        vn = _tile_v(U, rows, ok, h, H, VD, v0, BV) - _dot(_tile(W, rows, ok, h, H, K, BK), S, DT, PREC)
+        w0, w1 = _operand_v(W, rows, ok, h, H, K, 0, HK), _operand_v(W, rows, ok, h, H, K, HK, HK)
+        vn = _tile_v(U, rows, ok, h, H, VD, v0, BV) - _dot(w0, S0, DT, PREC) - _dot(w1, S1, DT, PREC)
         _put_v(VN, vn, rows, ok, h, H, VD, v0, BV)
-        S = S * tl.exp(_row(G, last, h, H, K, 0, BK))[:, None] + _dot(
-            tl.trans(_tile(KD, rows, ok, h, H, K, BK)), vn, DT, PREC
-        )
-    p, m = _state_ptrs(HT, n, h, H, K, VD, 0, v0, BK, BV)
-    tl.store(p, S, mask=m)
+        k0, k1 = _operand_v(KD, rows, ok, h, H, K, 0, HK), _operand_v(KD, rows, ok, h, H, K, HK, HK)
+        S0 = S0 * tl.exp(_row(G, last, h, H, K, 0, HK))[:, None] + _dot(tl.trans(k0), vn, DT, PREC)
+        S1 = S1 * tl.exp(_row(G, last, h, H, K, HK, HK))[:, None] + _dot(tl.trans(k1), vn, DT, PREC)
+    a0, b0 = _state_ptrs(HT, n, h, H, K, VD, 0, v0, HK, BV)
+    a1, b1 = _state_ptrs(HT, n, h, H, K, VD, HK, v0, HK, BV)
+    tl.store(a0, S0, mask=b0)
+    tl.store(a1, S1, mask=b1)
 
 
 @triton.jit

@@ -45,6 +45,16 @@ def _put_v(P, x, rows, ok, h, H, D, d0, BD: tl.constexpr):
 
 
 @triton.jit
+def _operand_v(P, rows, ok, h, H, D, d0, BD: tl.constexpr):
+    """``_tile_v`` in P's own dtype, for a tile that only enters products (``_dot`` takes it as it
+    is: no fp32 copy held in registers)."""
+    d = d0 + tl.arange(0, BD)
+    return tl.load(
+        P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0
+    )
+
+
+@triton.jit
 def _tile(P, rows, ok, h, H, D, BD: tl.constexpr):
     """All of a row's D columns (BD >= D)."""
     return _tile_v(P, rows, ok, h, H, D, 0, BD)

@@ -1,0 +1,94 @@
+"""Registers and spills of KDA's forward kernels on the H200 (sm_90a), compiled offline: Triton to
+PTX on this machine, then ptxas -v (the one in Triton's wheel). No GPU needed: a kernel that
+spills in a sequential loop is found before a device is lent.
+
+    python3 -m bench.regs          # every forward kernel at kiln_kernels.kda.triton.CONFIG's settings
+    python3 -m bench.regs --tune   # and at bench.kda's candidate settings
+
+Shapes: Kimi Linear's head (K = V = 128), bf16 inputs, tf32 products where the kernels take them.
+Prints a line per kernel and setting: registers a thread, spill stores and loads (bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from bench.kda import CANDIDATES
+from kiln_kernels.kda import chunk_fwd
+from kiln_kernels.kda.triton import CONFIG
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+BF, F32, I32 = "*bf16", "*fp32", "*i32"
+GEMM = dict(DT=tl.bfloat16, PREC="tf32")
+# kernel: (function, pointer and scalar arguments, constexprs but the launch's own)
+KERNELS = {
+    "intra": (
+        chunk_fwd._intra,
+        dict(Q=BF, Kt=BF, BETA=BF, G=F32, AQK=BF, AKK=F32, CHUNKS=I32, scale="fp32", H="i32", K="i32"),
+        dict(BK=128, SPAN=80.0, **GEMM),
+    ),
+    "solve": (chunk_fwd._solve, dict(AKK=F32, MI=BF, CHUNKS=I32, H="i32"), {}),
+    "wu": (
+        chunk_fwd._wu,
+        dict(Q=BF, Kt=BF, V=BF, BETA=BF, G=F32, MI=BF, W=BF, U=BF, KD=BF, QG=BF, CHUNKS=I32, scale="fp32")
+        | dict(H="i32", K="i32", VD="i32"),
+        dict(BK=128, BV=128, **GEMM),
+    ),
+    "states": (
+        chunk_fwd._states,
+        dict(KD=BF, W=BF, U=BF, G=F32, H0=F32, HS=BF, VN=BF, HT=F32, CHUNKS=I32, SEQ=I32, H="i32", K="i32")
+        | dict(VD="i32"),
+        dict(BK=128, HAS_H0=False, **GEMM),
+    ),
+    "output": (
+        chunk_fwd._output,
+        dict(QG=BF, AQK=BF, HS=BF, VN=BF, O=BF, CHUNKS=I32, H="i32", K="i32", VD="i32"),
+        dict(BK=128, **GEMM),
+    ),
+}
+
+
+def usage(kernel: str, launch: dict) -> str:
+    fn, args, fixed = KERNELS[kernel]
+    constexprs = {**fixed, **{k: v for k, v in launch.items() if k not in ("num_warps", "num_stages")}}
+    options = {k: launch[k] for k in ("num_warps", "num_stages") if k in launch}
+    src = ASTSource(
+        fn=fn,
+        signature={**args, **{k: "constexpr" for k in constexprs}},
+        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+    )
+    ptx = triton.compile(src, target=TARGET, options=options).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True)
+    text = out.stderr.decode()
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return f"{regs.group(1) if regs else '?'} registers, " + (
+        f"spills {spills.group(1)} B stored, {spills.group(2)} B loaded" if spills else "no spill line"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tune", action="store_true", help="bench.kda's candidate settings too")
+    a = ap.parse_args()
+    for kernel in KERNELS:
+        settings = [CONFIG[kernel]] + ([c for c in CANDIDATES.get(kernel, []) if c != CONFIG[kernel]] if a.tune else [])
+        for launch in settings:
+            print(f"{kernel} {launch}: {usage(kernel, launch)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
