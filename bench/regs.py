@@ -1,8 +1,8 @@
-"""Registers and spills of KDA's forward kernels on the H200 (sm_90a), compiled offline: Triton to
+"""Registers and spills of KDA's kernels on the H200 (sm_90a), compiled offline: Triton to
 PTX on this machine, then ptxas -v (the one in Triton's wheel). No GPU needed: a kernel that
 spills in a sequential loop is found before a device is lent.
 
-    python3 -m bench.regs          # every forward kernel at kiln_kernels.kda.triton.CONFIG's settings
+    python3 -m bench.regs          # every kernel at kiln_kernels.kda.triton.CONFIG's settings
     python3 -m bench.regs --tune   # and at bench.kda's candidate settings
 
 Shapes: Kimi Linear's head (K = V = 128), bf16 inputs, tf32 products where the kernels take them.
@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bench.kda import CANDIDATES
-from kiln_kernels.kda import chunk_fwd
+from kiln_kernels.kda import chunk_bwd, chunk_fwd
 from kiln_kernels.kda.triton import CONFIG
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -54,6 +54,24 @@ KERNELS = {
         chunk_fwd._output,
         dict(QG=BF, AQK=BF, HS=BF, VN=BF, O=BF, CHUNKS=I32, H="i32", K="i32", VD="i32"),
         dict(BK=128, **GEMM),
+    ),
+    "dstates": (
+        chunk_bwd._dstates,
+        dict(QG=BF, KD=BF, G=F32, W=BF, AQK=BF, DO=BF, DHT=F32, DH=F32, DVN=BF, DH0=F32, CHUNKS=I32, SEQ=I32)
+        | dict(H="i32", K="i32", VD="i32"),
+        dict(BK=128, HAS_DHT=False, **GEMM),
+    ),
+    "dlocal": (
+        chunk_bwd._dlocal,
+        dict(Q=BF, Kt=BF, V=BF, BETA=BF, G=F32, MI=BF, VN=BF, DVN=BF, DO=BF, HS=BF, DH=F32, DQ=F32, DK=F32)
+        | dict(DV=BF, DB=F32, DG=F32, DAQK=F32, DAKK=F32, CHUNKS=I32, scale="fp32", H="i32", K="i32", VD="i32"),
+        dict(BK=64, **GEMM),
+    ),
+    "dintra": (
+        chunk_bwd._dintra,
+        dict(Q=BF, Kt=BF, BETA=BF, G=F32, DAQK=F32, DAKK=F32, DQ=F32, DK=F32, DBP=F32, DG=F32, DQO=BF, DKO=BF)
+        | dict(CHUNKS=I32, scale="fp32", R="i32", H="i32", K="i32"),
+        dict(BK=64, DT=tl.float32, PREC="tf32", SPAN=80.0),
     ),
 }
 
