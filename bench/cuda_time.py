@@ -31,6 +31,24 @@ def median_ms(call: Callable[[], object], reps: int, warmup: int) -> float:
     return statistics.median([device.elapsed_ms(DEV, call) for _ in range(reps)])
 
 
+def sweep(config: dict, candidates: dict[str, list[dict]], timing: Callable[[], str]) -> None:
+    """Each kernel's candidate settings in ``config`` (a kernel module's launch table), the others
+    at their defaults, printed with ``timing()``'s line; a setting that does not compile (shared
+    memory, registers) says so. The defaults are back in place after it."""
+    defaults = {k: dict(v) for k, v in config.items()}
+    try:
+        for name, cands in candidates.items():
+            for cand in cands:
+                config.update(defaults)
+                config[name] = cand
+                try:
+                    print(f"{name} {cand}: {timing()}", flush=True)
+                except Exception as err:
+                    print(f"{name} {cand}: failed ({type(err).__name__}: {str(err)[:80]})", flush=True)
+    finally:
+        config.update(defaults)
+
+
 def pass_row(
     call: Callable[[], torch.Tensor],
     inputs: list[torch.Tensor],

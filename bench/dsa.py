@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.cuda_time import DEV, median_ms
+from bench.cuda_time import DEV, median_ms, sweep
 from engine import device as accelerator
 from kiln_kernels.dsa import triton as fused
 
@@ -85,16 +85,7 @@ def tune(a) -> None:
         o, _ = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, True)
         o.backward(do)
 
-    defaults = dict(fused.CONFIG)
-    for name, cands in CANDIDATES.items():
-        for cand in cands:
-            fused.CONFIG.update(defaults)
-            fused.CONFIG[name] = cand
-            try:
-                print(f"{name} {cand}: {timed(attn):.1f} ms", flush=True)
-            except Exception as err:  # a config that does not compile (shared memory)
-                print(f"{name} {cand}: failed ({type(err).__name__}: {str(err)[:80]})", flush=True)
-    fused.CONFIG.update(defaults)
+    sweep(fused.CONFIG, CANDIDATES, lambda: f"{timed(attn):.1f} ms")
 
 
 def dims(a) -> tuple[int, int, int, int, int, int]:

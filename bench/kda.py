@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.cuda_time import DEV, median_ms
+from bench.cuda_time import DEV, median_ms, sweep
 from engine import device as accelerator
 from kiln_kernels.kda import reference
 from kiln_kernels.kda import triton as ours
@@ -125,18 +125,13 @@ def tune(T: int, H: int, d: int, doc: int) -> None:
     forward + backward ms (a setting that does not compile says so)."""
     x, cu = inputs(T, H, d, doc)
     fn = methods()["Kiln Triton"]
-    defaults = {k: dict(v) for k, v in ours.CONFIG.items()}
+
+    def timing() -> str:
+        m = measure(fn, x, cu)
+        return f"{m['fwd_ms']:.3f} / {m['fwd_bwd_ms']:.3f}"
+
     print(f"tune at {T} tokens x {H} heads (ms, forward / forward + backward)")
-    for name, cands in CANDIDATES.items():
-        for cand in cands:
-            ours.CONFIG.update(defaults)
-            ours.CONFIG[name] = cand
-            try:
-                m = measure(fn, x, cu)
-                print(f"{name} {cand}: {m['fwd_ms']:.3f} / {m['fwd_bwd_ms']:.3f}", flush=True)
-            except Exception as err:  # a setting that does not fit (shared memory, registers)
-                print(f"{name} {cand}: failed ({type(err).__name__}: {str(err)[:80]})", flush=True)
-    ours.CONFIG.update(defaults)
+    sweep(ours.CONFIG, CANDIDATES, timing)
 
 
 def main() -> None:
