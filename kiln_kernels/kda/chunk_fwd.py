@@ -210,7 +210,7 @@ def _states(
     """Per sequence, head and block of V, the chunks in order: HS[c] = the state at chunk c's
     start, VN = U - W S; the final state into HT. The state's rows in two halves of K, each its own
     accumulator, and W and KD in their own dtype: one fp32 [BK, BV] state beside fp32 operand tiles
-    spilled ~1 KB of registers a program at K 128 (ptxas, sm_90), 0.8 KB this way."""
+    spilled 1,040 B of registers a program at K 128 (ptxas, sm_90a: bench/regs.py), 920 B this way."""
     n, h, v0, _, c0, c1, s0, s1 = _walk(H0, HAS_H0, SEQ, H, K, VD, BK, BV)
     HK: tl.constexpr = BK // 2 if BK >= 32 else 16  # a product's inner size is 16 at least
     a0, b0 = _state_ptrs(H0, n, h, H, K, VD, 0, v0, HK, BV)

@@ -26,12 +26,19 @@ def _rows(CHUNKS, c):
 
 
 @triton.jit
-def _tile_v(P, rows, ok, h, H, D, d0, BD: tl.constexpr):
-    """[rows, columns d0..d0+BD) of head h from a [R, H, D] tensor, fp32; zeros outside."""
+def _operand_v(P, rows, ok, h, H, D, d0, BD: tl.constexpr):
+    """[rows, columns d0..d0+BD) of head h from a [R, H, D] tensor, in P's own dtype (a tile that
+    only enters products: ``_dot`` takes it as it is); zeros outside."""
     d = d0 + tl.arange(0, BD)
     return tl.load(
         P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0
-    ).to(tl.float32)
+    )
+
+
+@triton.jit
+def _tile_v(P, rows, ok, h, H, D, d0, BD: tl.constexpr):
+    """``_operand_v`` in fp32."""
+    return _operand_v(P, rows, ok, h, H, D, d0, BD).to(tl.float32)
 
 
 @triton.jit
@@ -41,16 +48,6 @@ def _put_v(P, x, rows, ok, h, H, D, d0, BD: tl.constexpr):
         P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :],
         x.to(P.dtype.element_ty),
         mask=ok[:, None] & (d[None, :] < D),
-    )
-
-
-@triton.jit
-def _operand_v(P, rows, ok, h, H, D, d0, BD: tl.constexpr):
-    """``_tile_v`` in P's own dtype, for a tile that only enters products (``_dot`` takes it as it
-    is: no fp32 copy held in registers)."""
-    d = d0 + tl.arange(0, BD)
-    return tl.load(
-        P + (rows[:, None].to(tl.int64) * H + h) * D + d[None, :], mask=ok[:, None] & (d[None, :] < D), other=0.0
     )
 
 

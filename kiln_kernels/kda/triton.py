@@ -106,15 +106,17 @@ def _gamma_of(g, gate: Gate | None, chunks, s: _Shapes) -> torch.Tensor:
     if gate is None:
         _cumsum[(s.NC, s.H)](g, G, chunks, s.H, s.K, BK=s.BK, REVERSE=False)
     else:
-        A, bias, lb = gate
-        _gated_cumsum[(s.NC, s.H)](
-            g, A, A if bias is None else bias, G, chunks, s.H, s.K, float(lb or 0.0), **_gate_meta(gate, s)
-        )
+        A, bias, lb, meta = _gate_args(gate, s)
+        _gated_cumsum[(s.NC, s.H)](g, A, bias, G, chunks, s.H, s.K, lb, **meta)
     return G
 
 
-def _gate_meta(gate: Gate, s: _Shapes) -> dict:
-    return dict(BK=s.BK, HAS_BIAS=gate.dt_bias_HK is not None, SAFE=gate.lower_bound is not None)
+def _gate_args(gate: Gate, s: _Shapes) -> tuple[torch.Tensor, torch.Tensor, float, dict]:
+    """gate.py's chunk kernels' gate arguments: A_log, dt_bias (A_log where there is none: a
+    pointer never read), the lower bound (0 where there is none) and their constexprs."""
+    A, bias, lb = gate
+    meta = dict(BK=s.BK, HAS_BIAS=bias is not None, SAFE=lb is not None)
+    return A, A if bias is None else bias, float(lb or 0.0), meta
 
 
 def _dg_of(dG, g, gate: Gate | None, chunks, s: _Shapes, need_A: bool, need_bias: bool):
@@ -124,16 +126,13 @@ def _dg_of(dG, g, gate: Gate | None, chunks, s: _Shapes, need_A: bool, need_bias
         dg = torch.empty_like(g)
         _cumsum[(s.NC, s.H)](dG, dg, chunks, s.H, s.K, BK=s.BK, REVERSE=True)
         return dg, None, None
-    A, bias, lb = gate
+    A, bias, lb, meta = _gate_args(gate, s)
     f32 = torch.float32
     dx = torch.empty(g.shape, dtype=f32 if need_bias else g.dtype, device=g.device)  # fp32 until summed
     da = torch.empty(g.shape, dtype=f32, device=g.device) if need_A else dx
-    meta = _gate_meta(gate, s)
-    _gated_cumsum_bwd[(s.NC, s.H)](
-        dG, g, A, A if bias is None else bias, dx, da, chunks, s.H, s.K, float(lb or 0.0), **meta, NEED_DA=need_A
-    )
+    _gated_cumsum_bwd[(s.NC, s.H)](dG, g, A, bias, dx, da, chunks, s.H, s.K, lb, **meta, NEED_DA=need_A)
     d_A = da.view(-1, s.H, s.K).sum((0, 2)).to(A.dtype) if need_A else None
-    d_bias = dx.view(-1, s.H, s.K).sum(0).to(bias.dtype) if need_bias and bias is not None else None
+    d_bias = dx.view(-1, s.H, s.K).sum(0).to(bias.dtype) if need_bias else None
     return dx.to(g.dtype), d_A, d_bias
 
 
