@@ -126,8 +126,12 @@ class MLAttention(nn.Module):
         # a decoder's prefill on the CPU: the absorbed form (the queries taken into the latent space,
         # the latent every head's keys and values) where it pays; CUDA's attention kernels take the
         # per-head form's head dims (the absorbed 576 / 512 they do not)
-        absorbing = up is not None and backend(x_1TD) == "reference" and self._absorbing_pays(T, len(cu_seqlens) - 1)
-        if absorbing and up is not None and down is not None:
+        if (
+            up is not None
+            and down is not None
+            and backend(x_1TD) == "reference"
+            and self._absorbing_pays(T, len(cu_seqlens) - 1)
+        ):
             q_nope, q_rope = q.split([self.nope, self.rope], -1)
             qa = torch.cat([torch.einsum("thn,hnr->thr", q_nope, up.to(q_nope.dtype)), q_rope], -1)
             rows = torch.cat([latent, k_shared.to(latent.dtype)], -1)[0].to(qa.dtype)  # cast, then share
