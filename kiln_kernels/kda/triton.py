@@ -218,7 +218,8 @@ class _KDA(torch.autograd.Function):
 
         def run():
             G, Aqk, Mi = _prepare(q, k, g, gate, beta, scale, chunks, s)
-            _, _, QG, HS, VN, HT = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
+            W, KD, QG, HS, VN, HT = _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s)
+            del G, W, KD  # the output's memory is theirs (at 32k tokens x 16 heads: 512 MiB)
             o = torch.empty(B, T, H, s.V, device=q.device, dtype=v.dtype)
             cfg = s.launch("output")
             _output[(s.NC, H, triton.cdiv(s.V, cfg["BV"]))](
@@ -268,6 +269,7 @@ class _KDA(torch.autograd.Function):
             PREC=s.PREC,
             **cfg,
         )
+        del W, KD, QG  # each buffer dead is memory the gradients below take (a backward's peak)
         dq, dk, dG = (q.new_empty(R, H, K, dtype=f32) for _ in range(3))
         dv = torch.empty_like(v)
         db = q.new_empty(R, H, dtype=f32)
@@ -301,6 +303,7 @@ class _KDA(torch.autograd.Function):
             PREC=s.PREC,
             **s.launch("dlocal"),
         )
+        del HS, VN, DH, DVN
         NKB = triton.cdiv(K, s.BKS)
         dbp = q.new_empty(NKB, R, H, dtype=f32)
         dqo, dko = torch.empty_like(q), torch.empty_like(k)
