@@ -104,7 +104,13 @@ def profile(T: int, H: int, d: int, doc: int) -> None:
 CANDIDATES: dict[str, list[dict[str, int]]] = {
     "solve": [dict(num_warps=8), dict(num_warps=4), dict(num_warps=2), dict(num_warps=1)],
     "intra": [dict(num_warps=2), dict(num_warps=4), dict(num_warps=1)],
-    "wu": [dict(num_warps=8), dict(num_warps=4), dict(num_warps=8, num_stages=3)],
+    "wu": [
+        dict(BW=128, num_warps=8),
+        dict(BW=64, num_warps=4),
+        dict(BW=64, num_warps=8),
+        dict(BW=32, num_warps=4),
+        dict(BW=128, num_warps=4),
+    ],
     "states": [
         dict(BV=64, num_stages=2),
         dict(BV=32, num_stages=2),

@@ -165,25 +165,29 @@ def _wu(
     H,
     K,
     VD,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
+    BW: tl.constexpr,
     DT: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """W = Mi (beta e^Gamma k), U = Mi (beta v) of one chunk and head; and the decayed keys and
-    queries the chunk-by-chunk kernels multiply with, KD = k e^(Gamma_C - Gamma), QG = q e^Gamma
-    (scaled), so that no exponential of a tile is left on their sequential path."""
-    c, h = tl.program_id(0), tl.program_id(1)
+    """W = Mi (beta e^Gamma k), U = Mi (beta v) of one chunk, head and block of BW columns (of K
+    for W, of V for U); and the decayed keys and queries the chunk-by-chunk kernels multiply with,
+    KD = k e^(Gamma_C - Gamma), QG = q e^Gamma (scaled), so that no exponential of a tile is left
+    on their sequential path. Each column block is a product of its own (Mi loaded again)."""
+    c, h, j = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    d0 = j * BW
     bos, rows, ok, last = _rows(CHUNKS, c)
     Mi = _lower(MI, rows, ok, h, H)
     b = _beta(BETA, rows, ok, h, H)
-    k = _tile(Kt, rows, ok, h, H, K, BK)
-    gm = _gamma(G, rows, ok, last, h, H, K, 0, BK)
-    eg = tl.exp(gm)
-    _put(KD, k * tl.exp(_row(G, last, h, H, K, 0, BK)[None, :] - gm), rows, ok, h, H, K, BK)
-    _put(QG, _tile(Q, rows, ok, h, H, K, BK) * scale * eg, rows, ok, h, H, K, BK)
-    _put(W, _dot(Mi, k * eg * b[:, None], DT, PREC), rows, ok, h, H, K, BK)
-    _put(U, _dot(Mi, _tile(V, rows, ok, h, H, VD, BV) * b[:, None], DT, PREC), rows, ok, h, H, VD, BV)
+    if d0 < K:
+        k = _tile_v(Kt, rows, ok, h, H, K, d0, BW)
+        gm = _gamma(G, rows, ok, last, h, H, K, d0, BW)
+        eg = tl.exp(gm)
+        _put_v(KD, k * tl.exp(_row(G, last, h, H, K, d0, BW)[None, :] - gm), rows, ok, h, H, K, d0, BW)
+        _put_v(QG, _tile_v(Q, rows, ok, h, H, K, d0, BW) * scale * eg, rows, ok, h, H, K, d0, BW)
+        _put_v(W, _dot(Mi, k * eg * b[:, None], DT, PREC), rows, ok, h, H, K, d0, BW)
+    if d0 < VD:
+        u = _dot(Mi, _tile_v(V, rows, ok, h, H, VD, d0, BW) * b[:, None], DT, PREC)
+        _put_v(U, u, rows, ok, h, H, VD, d0, BW)
 
 
 @triton.jit

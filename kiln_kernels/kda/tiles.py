@@ -93,9 +93,12 @@ def _put_square(P, x, rows, ok, h, H, cols0, NC: tl.constexpr):
 
 @triton.jit
 def _lower(P, rows, ok, h, H):
-    """A chunk's [64, 64] lower triangle with the diagonal, zeros above."""
+    """A chunk's [64, 64] lower triangle with the diagonal, zeros above (not loaded), in P's dtype:
+    it only enters products (``_dot`` rounds it to theirs), and a bf16 tile takes half an fp32
+    one's registers."""
     i = tl.arange(0, 64)
-    return tl.where(i[None, :] <= i[:, None], _square(P, rows, ok, h, H, 0, 64), 0.0)
+    lower = ok[:, None] & (i[None, :] <= i[:, None])
+    return tl.load(P + (rows[:, None].to(tl.int64) * H + h) * 64 + i[None, :], mask=lower, other=0.0)
 
 
 @triton.jit

@@ -66,7 +66,7 @@ def _chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
 CONFIG: dict[str, dict[str, int]] = {
     "intra": dict(num_warps=2),
     "solve": dict(num_warps=8),
-    "wu": dict(num_warps=8),
+    "wu": dict(BW=128, num_warps=8),
     "states": dict(BV=64, num_stages=2),
     "output": dict(BV=64),
     "dstates": dict(BV=64, num_stages=2),
@@ -96,6 +96,8 @@ class _Shapes:
         cfg = dict(CONFIG[kernel])
         if "BV" in cfg:
             cfg["BV"] = min(self.BV, cfg["BV"], 32 if self.wide else cfg["BV"])
+        if "BW" in cfg:  # _wu's column block: K's and V's columns, no wider than the wider of them
+            cfg["BW"] = min(max(self.BK, self.BV), cfg["BW"])
         return cfg
 
 
@@ -155,7 +157,8 @@ def _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s: _Shapes):
     R, H, K, V = s.R, s.H, s.K, s.V
     W, KD, QG = (k.new_empty(R, H, K, dtype=s.low) for _ in range(3))
     U = k.new_empty(R, H, V, dtype=s.low)
-    _wu[(s.NC, H)](
+    cfg = s.launch("wu")
+    _wu[(s.NC, H, triton.cdiv(max(K, V), cfg["BW"]))](
         q,
         k,
         v,
@@ -171,11 +174,9 @@ def _recurrence(q, k, v, beta, G, Mi, h0, scale, chunks, seq, s: _Shapes):
         H,
         K,
         V,
-        BK=s.BK,
-        BV=s.BV,
         DT=s.DT,
         PREC=s.PREC,
-        **s.launch("wu"),
+        **cfg,
     )
     HS = k.new_empty(s.NC, H, K, V, dtype=s.low)
     VN = k.new_empty(R, H, V, dtype=s.low)
