@@ -86,6 +86,18 @@ class Cache:
         for s in dst:
             self.length[s] = self.length[src]
 
+    def _of(self, t: torch.Tensor) -> torch.Tensor:
+        """The forward's slots' rows of a kept tensor: a view where the slots are consecutive and
+        in order (a decode step's usual case), else a gather."""
+        return t[self.span[0] : self.span[1]] if self.span is not None else t[self.index]
+
+    def _set(self, t: torch.Tensor, rows: torch.Tensor) -> None:
+        """The forward's slots' rows of t become rows (a copy into the view, else a scatter)."""
+        if self.span is not None:
+            t[self.span[0] : self.span[1]].copy_(rows)
+        else:
+            t[self.index] = rows
+
     def _tensor(self, key, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         t = self.kept.get(key)
         if t is None or t.shape[1:] != shape or t.dtype != dtype:
@@ -97,11 +109,10 @@ class Cache:
     ) -> torch.Tensor:
         W, C = weight_C1W.shape[-1], x_1TC.shape[-1]
         tail = self._tensor(key, (W - 1, C), x_1TC.dtype)
-        idx = self.index
-        before = tail[idx]  # [N, W - 1, C]
+        before = self._of(tail)  # [N, W - 1, C]
         if self.stepping:  # one window of W a sequence (none of them fresh): the definition, batched
             window = torch.cat([before, x_1TC[0, :, None]], 1)
-            tail[idx] = window[:, 1:]
+            self._set(tail, window[:, 1:])
             return conv_step(window, weight_C1W, head_norm)[None]
         before = torch.where(self.fresh[:, None, None], 0, before)  # zeros before a fresh one
         bounds = cu.tolist()
@@ -110,14 +121,13 @@ class Cache:
             parts.append(torch.cat([before[d], x_1TC[0, a:b]]))
             keep.append(torch.arange(b - a) + a + (W - 1) * (d + 1))
         y = short_conv(torch.cat(parts)[None], weight_C1W, offsets([len(p) for p in parts]), head_norm)
-        tail[idx] = torch.stack([p[-(W - 1) :] for p in parts])
+        self._set(tail, torch.stack([p[-(W - 1) :] for p in parts]))
         return y[:, torch.cat(keep).to(y.device)]
 
     def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key, gate: Gate | None = None) -> torch.Tensor:
         H, K, V = q.shape[2], q.shape[3], v.shape[3]
         state = self._tensor(key, (H, K, V), torch.promote_types(v.dtype, torch.float32))
-        idx = self.index
-        h0 = state[idx]
+        h0 = self._of(state)
         if self.stepping:  # one token each (none of them fresh): the recurrence's step, N sequences as a batch
             decay = kda_gate(g[0], *gate) if gate is not None else g[0]
             o, final = kda_step(q[0], k[0], v[0], decay, beta[0], h0)
@@ -125,7 +135,7 @@ class Cache:
         else:
             h0 = torch.where(self.fresh[:, None, None, None], 0, h0)  # a fresh one starts from zeros
             o, final = kda_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, gate=gate)
-        state[idx] = final.to(state.dtype)
+        self._set(state, final.to(state.dtype))
         return o
 
     def _key_rows(self, rows_TC: torch.Tensor, need: int, key) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,9 +161,7 @@ class Cache:
         rows_NC, kept = self._key_rows(rows_NC, need, key)
         kept[self.index, self.at] = rows_NC
         valid = torch.arange(need, device=self.device) <= self.at[:, None]
-        if self.span is not None:  # the slots in order: their rows as a view, not a copy of every row
-            return kept[self.span[0] : self.span[1], :need], valid
-        return kept[:, :need][self.index], valid
+        return self._of(kept[:, :need]), valid
 
     def keys(self, rows_TC: torch.Tensor, cu: torch.Tensor, key) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = [p + n for p, n in zip(self.past, self.new, strict=True)]  # each document's keys
