@@ -118,9 +118,17 @@ CANDIDATES: dict[str, list[dict[str, int]]] = {
         dict(BV=32, num_warps=2, num_stages=3),
         dict(BV=64, num_warps=8, num_stages=2),
         dict(BV=64, num_stages=3),
+        dict(BV=32, num_warps=8, num_stages=2),
+        dict(BV=16, num_stages=2),
     ],
     "output": [dict(BV=64), dict(BV=128), dict(BV=128, num_warps=8), dict(BV=32)],
-    "dstates": [dict(BV=64, num_stages=2), dict(BV=32, num_stages=2), dict(BV=64, num_warps=8, num_stages=2)],
+    "dstates": [
+        dict(BV=64, num_stages=2),
+        dict(BV=32, num_stages=2),
+        dict(BV=64, num_warps=8, num_stages=2),
+        dict(BV=32, num_warps=8, num_stages=2),
+        dict(BV=16, num_stages=2),
+    ],
     "dlocal": [dict(BV=32, num_warps=8), dict(BV=32, num_warps=4), dict(BV=64, num_warps=8)],
     "dintra": [dict(num_warps=2), dict(num_warps=4)],
 }
