@@ -213,8 +213,9 @@ def _states(
 ):
     """Per sequence, head and block of V, the chunks in order: HS[c] = the state at chunk c's
     start, VN = U - W S; the final state into HT. The state's rows in two halves of K, each its own
-    accumulator, and W and KD in their own dtype: one fp32 [BK, BV] state beside fp32 operand tiles
-    spilled 1,040 B of registers a program at K 128 (ptxas, sm_90a: bench/regs.py), 920 B this way."""
+    accumulator, and W and KD loaded in their own dtype: operands that go straight into products
+    are copied ahead of the loop's step (10 asynchronous copies a step for sm_90a, against 4 with
+    one fp32 state beside fp32 operand tiles: bench/regs.py)."""
     n, h, v0, _, c0, c1, s0, s1 = _walk(H0, HAS_H0, SEQ, H, K, VD, BK, BV)
     HK: tl.constexpr = BK // 2 if BK >= 32 else 16  # a product's inner size is 16 at least
     a0, b0 = _state_ptrs(H0, n, h, H, K, VD, 0, v0, HK, BV)
@@ -248,7 +249,8 @@ def _output(
     v0 = vb * BV
     bos, rows, ok, last = _rows(CHUNKS, c)
     d, e = tl.arange(0, BK), v0 + tl.arange(0, BV)
-    # the chunk's state by an int64 base and an int32 tile of offsets (an int64 tile spilled 0.6 KB)
+    # the chunk's state by an int64 base and an int32 tile of offsets (72 registers a thread for
+    # sm_90a, 96 with an int64 tile of offsets: bench/regs.py)
     S = tl.load(
         HS + (c * H + h).to(tl.int64) * K * VD + (d[:, None] * VD + e[None, :]),
         mask=(d[:, None] < K) & (e[None, :] < VD),
