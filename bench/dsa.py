@@ -46,6 +46,8 @@ CANDIDATES = {
         dict(BH=64, EB=128, BK=32, num_warps=8),
         dict(BH=64, EB=256, BK=32, num_warps=8),
         dict(BH=16, EB=512, BK=64, num_warps=8),
+        dict(BH=64, EB=512, BK=32, num_warps=8),
+        dict(BH=64, EB=512, BK=16, num_warps=8),
     ],
     "dq": [
         dict(BH=16, BK=32, num_warps=4),

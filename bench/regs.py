@@ -1,11 +1,12 @@
-"""Registers and spills of KDA's kernels on the H200 (sm_90a), compiled offline: Triton to
+"""Registers and spills of KDA's and DSA's kernels on the H200 (sm_90a), compiled offline: Triton to
 PTX on this machine, then ptxas -v (the one in Triton's wheel). No GPU needed: a kernel that
 spills in a sequential loop is found before a device is lent.
 
-    python3 -m bench.regs          # every kernel at kiln_kernels.kda.triton.CONFIG's settings
-    python3 -m bench.regs --tune   # and at bench.kda's candidate settings
+    python3 -m bench.regs          # every kernel at its CONFIG's settings (kiln_kernels.kda.triton, .dsa.triton)
+    python3 -m bench.regs --tune   # and at bench.kda's and bench.dsa's candidate settings
 
-Shapes: Kimi Linear's head (K = V = 128), bf16 inputs, tf32 products where the kernels take them;
+Shapes: Kimi Linear's KDA head (K = V = 128) and the hybrid's absorbed MLA for DSA (64 heads, q/k
+576, v 512), bf16 inputs, tf32 products where the kernels take them;
 the arguments carry the launcher's alignment hints (``aligned``). Prints a line per kernel and
 setting: registers a thread, spill stores and loads (bytes), and the asynchronous copies
 (cp.async: loads the software pipeline issues ahead of their use) in the kernel's TTGIR.
@@ -24,9 +25,11 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from bench.kda import CANDIDATES
+from bench import dsa as dsa_bench
+from bench import kda as kda_bench
+from kiln_kernels.dsa import triton as dsa
 from kiln_kernels.kda import chunk_bwd, chunk_fwd
-from kiln_kernels.kda.triton import CONFIG
+from kiln_kernels.kda import triton as kda
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -78,6 +81,36 @@ KERNELS = {
 }
 
 
+MLA = dict(H=64, G=1, D=576, DA=512, DB=64, E=512, PREC="tf32")
+ATTN = dict(Q=BF, Kk=BF, V=BF, IDX=I32, CNT=I32)
+GRADS = dict(DO=BF, LSE=F32, DELTA=F32)
+KERNELS |= {
+    "dsa fwd": (dsa._attn_fwd, ATTN | dict(O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32"), MLA),
+    "dsa dq": (
+        dsa._attn_bwd_dq,
+        ATTN | GRADS | dict(DQ=BF, T="i32", NK="i32", scale="fp32", scale2="fp32"),
+        MLA | dict(E_PAD=512),
+    ),
+    "dsa dkv": (
+        dsa._attn_bwd_dkv,
+        ATTN | GRADS | dict(DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32"),
+        MLA | dict(E_PAD=512, ORDERED=False),
+    ),
+    "dsa weights": (
+        dsa._attn_weights,
+        dict(Q=BF, Kk=BF, IDX=I32, CNT=I32, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32"),
+        {k: MLA[k] for k in ("H", "G", "D", "DA", "DB", "PREC")},
+    ),
+}
+
+
+def settings(kernel: str, tune: bool) -> list[dict]:
+    """The kernel's launch settings today (its module's CONFIG), then its bench's candidates."""
+    name = kernel.removeprefix("dsa ")
+    config, candidates = (dsa.CONFIG, dsa_bench.CANDIDATES) if kernel != name else (kda.CONFIG, kda_bench.CANDIDATES)
+    return [config[name]] + ([c for c in candidates.get(name, []) if c != config[name]] if tune else [])
+
+
 def aligned(fn, args: dict) -> dict:
     """The hints Triton's launcher gives a compile at run time (its "D" specialisation): every
     pointer 16-byte aligned (torch's allocations are) and every integer argument a multiple of 16
@@ -111,16 +144,16 @@ def usage(kernel: str, launch: dict) -> str:
         f"{regs.group(1) if regs else '?'} registers, "
         + (f"spills {spills.group(1)} B stored, {spills.group(2)} B loaded" if spills else "no spill line")
         + f", {ttgir.count('async_copy_global_to_local')} async copies"
+        + (", wgmma" if "warp_group_dot" in ttgir else "")
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tune", action="store_true", help="bench.kda's candidate settings too")
+    ap.add_argument("--tune", action="store_true", help="bench.kda's and bench.dsa's candidate settings too")
     a = ap.parse_args()
     for kernel in KERNELS:
-        settings = [CONFIG[kernel]] + ([c for c in CANDIDATES.get(kernel, []) if c != CONFIG[kernel]] if a.tune else [])
-        for launch in settings:
+        for launch in settings(kernel, a.tune):
             print(f"{kernel} {launch}: {usage(kernel, launch)}", flush=True)
 
 
