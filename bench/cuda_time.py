@@ -31,22 +31,29 @@ def median_ms(call: Callable[[], object], reps: int, warmup: int) -> float:
     return statistics.median([device.elapsed_ms(DEV, call) for _ in range(reps)])
 
 
-def sweep(config: dict, candidates: dict[str, list[dict]], timing: Callable[[], str]) -> None:
+def sweep(config: dict, candidates: dict[str, list[dict]], timing: Callable[[], tuple[str, float]]) -> dict[str, dict]:
     """Each kernel's candidate settings in ``config`` (a kernel module's launch table), the others
     at their defaults, printed with ``timing()``'s line; a setting that does not compile (shared
-    memory, registers) says so. The defaults are back in place after it."""
+    memory, registers) says so. The defaults are back in place after it. Returns each kernel's
+    fastest setting (the least of ``timing()``'s number)."""
     defaults = {k: dict(v) for k, v in config.items()}
+    best: dict[str, tuple[float, dict]] = {}
     try:
         for name, cands in candidates.items():
             for cand in cands:
                 config.update(defaults)
                 config[name] = cand
                 try:
-                    print(f"{name} {cand}: {timing()}", flush=True)
+                    line, score = timing()
                 except Exception as err:
                     print(f"{name} {cand}: failed ({type(err).__name__}: {str(err)[:80]})", flush=True)
+                    continue
+                print(f"{name} {cand}: {line}", flush=True)
+                if name not in best or score < best[name][0]:
+                    best[name] = (score, cand)
     finally:
         config.update(defaults)
+    return {name: cand for name, (_, cand) in best.items()}
 
 
 def pass_row(

@@ -3,7 +3,8 @@
 the PyTorch reference, in one run.
 
     python3 -m bench.kda           # 32k and 128k tokens in documents of 8k, 16 and 64 heads, d 128, bf16
-    python3 -m bench.kda --tune    # our kernels' other launch settings, at the first shape
+    python3 -m bench.kda --tune    # first our kernels' other launch settings at the first shape,
+                                   # then the shapes measured with each kernel's fastest
 
 q, k (L2-normalised), v and beta in bf16; g in fp32 from the bounded gate (K3's, lower bound -5);
 one packed row with cu_seqlens. FLOPs counted as in shared/MODEL_NOTES.md, per head
@@ -134,18 +135,21 @@ CANDIDATES: dict[str, list[dict[str, int]]] = {
 }
 
 
-def tune(T: int, H: int, d: int, doc: int) -> None:
+def tune(T: int, H: int, d: int, doc: int) -> dict[str, dict]:
     """Each kernel's candidate launch settings at one shape, the others at theirs: our forward and
-    forward + backward ms (a setting that does not compile says so)."""
+    forward + backward ms (a setting that does not compile says so); returns each kernel's
+    fastest (forward + backward: a training step's time)."""
     x, cu = inputs(T, H, d, doc)
     fn = methods()["Kiln Triton"]
 
-    def timing() -> str:
+    def timing() -> tuple[str, float]:
         m = measure(fn, x, cu)
-        return f"{m['fwd_ms']:.3f} / {m['fwd_bwd_ms']:.3f}"
+        return f"{m['fwd_ms']:.3f} / {m['fwd_bwd_ms']:.3f}", m["fwd_bwd_ms"]
 
     print(f"tune at {T} tokens x {H} heads (ms, forward / forward + backward)")
-    sweep(ours.CONFIG, CANDIDATES, timing)
+    best = sweep(ours.CONFIG, CANDIDATES, timing)
+    print(f"fastest forward + backward: {best}", flush=True)
+    return best
 
 
 def main() -> None:
@@ -156,12 +160,16 @@ def main() -> None:
     p.add_argument("--doc", type=int, default=8192)
     p.add_argument("--reference-up-to", type=int, default=32768 * 16, help="largest tokens x heads for the reference")
     p.add_argument("--profile", action="store_true", help="first, the kernels' times at the first shape")
-    p.add_argument("--tune", action="store_true", help="time other launch settings of our kernels instead")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="first time other launch settings of our kernels at the first shape, then measure with the fastest",
+    )
     p.add_argument("--out", default="bench/results/kda.json")
     a = p.parse_args()
     d, C = a.dim, 64
     if a.tune:
-        return tune(a.tokens[0], a.heads[0], d, a.doc)
+        ours.CONFIG.update(tune(a.tokens[0], a.heads[0], d, a.doc))
     print(f"{accelerator.name(DEV)}, torch {torch.__version__}; d={d}, documents of {a.doc}, bf16")
     print(
         "| tokens | heads | method | fwd ms | fwd Mtok/s | fwd TFLOP/s | fwd+bwd ms | fwd+bwd Mtok/s | "
@@ -224,6 +232,7 @@ def main() -> None:
                         "torch": torch.__version__,
                         "dim": d,
                         "doc": a.doc,
+                        "config": ours.CONFIG,  # our kernels' launch settings in this run
                         "rows": rows,
                     },
                     indent=2,
