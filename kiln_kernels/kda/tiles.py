@@ -93,12 +93,11 @@ def _put_square(P, x, rows, ok, h, H, cols0, NC: tl.constexpr):
 
 @triton.jit
 def _lower(P, rows, ok, h, H):
-    """A chunk's [64, 64] lower triangle with the diagonal, zeros above (not loaded), in P's dtype:
-    it only enters products (``_dot`` rounds it to theirs), and a bf16 tile takes half an fp32
-    one's registers."""
+    """A chunk's [64, 64] lower triangle with the diagonal, zeros above, fp32. (Loaded in P's own
+    dtype by a triangular mask instead, the H200 hit an illegal address in ``_dstates`` at V
+    blocks of 32 and 16, Triton 3.6, 2026-12-05; the interpreter and ptxas saw nothing.)"""
     i = tl.arange(0, 64)
-    lower = ok[:, None] & (i[None, :] <= i[:, None])
-    return tl.load(P + (rows[:, None].to(tl.int64) * H + h) * 64 + i[None, :], mask=lower, other=0.0)
+    return tl.where(i[None, :] <= i[:, None], _square(P, rows, ok, h, H, 0, 64), 0.0)
 
 
 @triton.jit

@@ -60,15 +60,17 @@ def _chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-# Launch settings per kernel (bf16 on the H200; ``python3 -m bench.kda --tune`` times others). BV:
-# the V block of the chunk-by-chunk kernels and _output (more programs in flight; 16 and 32 measured
-# slower for bf16 on the H200), at most 32 for fp32 inputs, whose tiles take twice the shared memory.
+# Launch settings per kernel: the fastest forward + backward of ``python3 -m bench.kda --tune`` at 32k
+# tokens x 16 heads in documents of 8k, bf16, on the H200 (2026-12-05: the forward's kernels; the
+# backward's kept, their sweep cut short). BV: the V block of the chunk-by-chunk kernels and
+# _output, BW _wu's column block; BV at most 32 for fp32 inputs, whose tiles take twice the shared
+# memory.
 CONFIG: dict[str, dict[str, int]] = {
     "intra": dict(num_warps=2),
-    "solve": dict(num_warps=8),
-    "wu": dict(BW=128, num_warps=8),
-    "states": dict(BV=64, num_stages=2),
-    "output": dict(BV=64),
+    "solve": dict(num_warps=1),
+    "wu": dict(BW=64, num_warps=8),
+    "states": dict(BV=32, num_stages=2),
+    "output": dict(BV=128, num_warps=8),
     "dstates": dict(BV=64, num_stages=2),
     "dlocal": dict(BV=32, num_warps=8),
     "dintra": dict(num_warps=2),
