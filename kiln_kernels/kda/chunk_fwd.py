@@ -249,8 +249,8 @@ def _output(
     v0 = vb * BV
     bos, rows, ok, last = _rows(CHUNKS, c)
     d, e = tl.arange(0, BK), v0 + tl.arange(0, BV)
-    # the chunk's state by an int64 base and an int32 tile of offsets (72 registers a thread for
-    # sm_90a, 96 with an int64 tile of offsets: bench/regs.py)
+    # the chunk's state by an int64 base and an int32 tile of offsets (an int64 tile takes two
+    # registers an element)
     S = tl.load(
         HS + (c * H + h).to(tl.int64) * K * VD + (d[:, None] * VD + e[None, :]),
         mask=(d[:, None] < K) & (e[None, :] < VD),
