@@ -100,8 +100,7 @@ def profile(T: int, H: int, d: int, doc: int) -> None:
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14))
 
 
-# other launch settings of our kernels (kiln_kernels.kda.triton.CONFIG), for --tune; the first of
-# each is today's
+# launch settings of our kernels to time (kiln_kernels.kda.triton.CONFIG's among them), for --tune
 CANDIDATES: dict[str, list[dict[str, int]]] = {
     "solve": [dict(num_warps=8), dict(num_warps=4), dict(num_warps=2), dict(num_warps=1)],
     "intra": [dict(num_warps=2), dict(num_warps=4), dict(num_warps=1)],

@@ -47,7 +47,7 @@ KERNELS = {
         chunk_fwd._wu,
         dict(Q=BF, Kt=BF, V=BF, BETA=BF, G=F32, MI=BF, W=BF, U=BF, KD=BF, QG=BF, CHUNKS=I32, scale="fp32")
         | dict(H="i32", K="i32", VD="i32"),
-        dict(**GEMM),
+        GEMM,
     ),
     "states": (
         chunk_fwd._states,
