@@ -46,6 +46,7 @@ from kiln_kernels.kda.chunk_fwd import _cumsum, _intra, _output, _solve, _states
 from kiln_kernels.kda.gate import _gated_cumsum, _gated_cumsum_bwd
 from kiln_kernels.kda.reference import Gate, segments
 from kiln_kernels.kda.tiles import C
+from kiln_kernels.remake import save, saved
 
 
 def _chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,13 +232,13 @@ class _KDA(torch.autograd.Function):
             return o, HT, Aqk, Mi
 
         o, HT, Aqk, Mi = kept("kda", run)  # all the backward saves but the inputs
-        ctx.save_for_backward(*flat, h0 if h0 is not None else HT.new_empty(0), chunks, seq, Aqk, Mi, A_log, dt_bias)
+        save(ctx, *flat, h0 if h0 is not None else HT.new_empty(0), chunks, seq, Aqk, Mi, A_log, dt_bias)
         ctx.scale, ctx.s, ctx.has_h0, ctx.lower_bound = scale, s, h0 is not None, lower_bound
         return o, HT
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, chunks, seq, Aqk, Mi, A_log, dt_bias = ctx.saved_tensors
+        q, k, v, g, beta, h0, chunks, seq, Aqk, Mi, A_log, dt_bias = saved(ctx)
         s, scale = ctx.s, ctx.scale
         h0 = h0 if ctx.has_h0 else None
         gate = None if A_log is None else Gate(A_log, dt_bias, ctx.lower_bound)

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kiln_kernels.dispatch import sms
+from kiln_kernels.remake import save, saved
 
 
 @triton.jit
@@ -105,13 +106,13 @@ class _Norm(torch.autograd.Function):
         tile = _tile(D)
         if N:
             _fwd[(triton.cdiv(N, tile["BR"]),)](x2, g2, w, y, r, N, D, eps, GATED=gated, **tile)
-        ctx.save_for_backward(x2, g2 if gated else None, w, r)
+        save(ctx, x2, g2 if gated else None, w, r)
         ctx.shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, g2, w, r = ctx.saved_tensors
+        x2, g2, w, r = saved(ctx)
         N, D = x2.shape
         gated, need_dw = g2 is not None, ctx.needs_input_grad[2]
         tile = _tile(D)

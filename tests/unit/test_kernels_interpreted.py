@@ -1,8 +1,8 @@
 """Every Triton kernel on the CPU: the GPU tests of DSA, MoE, the fused loss, AttnRes, KDA and its
-short convolution, the RMSNorms (and of Swap Core keeping their outputs) at their small fp32
-shapes through Triton's interpreter, in a process of its own. triton lives in .triton, which
-scripts/test.sh fills: on the CPU machine it stays out of .venv, where it would send
-transformers' KDA to a GPU."""
+short convolution, the RMSNorms (and of Swap Core keeping their outputs, and of a KDA layer
+remaking its cheap activations) at their small fp32 shapes through Triton's interpreter, in a
+process of its own. triton lives in .triton, which scripts/test.sh fills: on the CPU machine it
+stays out of .venv, where it would send transformers' KDA to a GPU."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ FILES = [
     "tests/gpu/test_kept_kernels.py",
     "tests/gpu/test_conv_cuda.py",
     "tests/gpu/test_norm_cuda.py",
+    "tests/gpu/test_remake.py",
 ]
 
 
@@ -46,4 +47,4 @@ def test_triton_kernels_in_the_interpreter():
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "\n67 passed, 111 skipped" in run.stdout, run.stdout[-2000:]  # the small shapes ran, the GPU-only ones not
+    assert "\n71 passed, 112 skipped" in run.stdout, run.stdout[-2000:]  # the small shapes ran, the GPU-only ones not

@@ -15,6 +15,7 @@ from torch import nn
 from engine.model.common.layers import GatedRMSNorm, Past, autocast_input, f32
 from kiln_kernels.conv import short_conv
 from kiln_kernels.kda import Gate, kda_chunk
+from kiln_kernels.remake import remakeable
 
 
 class ForgetGate(nn.Module):
@@ -31,11 +32,19 @@ class ForgetGate(nn.Module):
 
     def raw(self, x_BTD: torch.Tensor) -> torch.Tensor:
         """The low-rank projection, before the decay is made of it: [B, T, H, K]."""
-        return self.f_b_proj(self.f_a_proj(x_BTD)).view(*x_BTD.shape[:2], self.H, self.K)
+        return low_rank(self.f_b_proj, self.f_a_proj(x_BTD)).view(*x_BTD.shape[:2], self.H, self.K)
 
     @property
     def params(self) -> Gate:
         return Gate(self.A_log.view(self.H), self.dt_bias.view(self.H, self.K), self.lower_bound)
+
+
+def low_rank(second: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """A low-rank pair's second projection, ``second(a)``: [.., H*K] from the rank-wide ``a``, so
+    remade in the backward from ``a`` rather than kept (``kiln_kernels.remake``), unless it draws
+    LoRA dropout (it would not come back the same)."""
+    drops = isinstance(getattr(second, "dropout", None), nn.Dropout) and second.training
+    return second(a) if drops else remakeable(second, a)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -86,7 +95,7 @@ class KimiDeltaAttention(nn.Module):
         ):
             y = proj(x_BTD)
             if past is None:
-                y = short_conv(y, w, cu_seqlens, norm)
+                y = remakeable(short_conv, y, w, cu_seqlens, norm)  # remade from y, which the conv keeps
             else:
                 assert cu_seqlens is not None  # a continuation always has its documents' offsets
                 y = past.conv(y, w, cu_seqlens, norm, (id(self), name))
@@ -100,6 +109,5 @@ class KimiDeltaAttention(nn.Module):
         else:
             assert cu_seqlens is not None
             o = past.delta_rule(q, k, v, raw, beta, cu_seqlens, (id(self), "S"), gate)
-        gate = self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD))
-        gate = gate.view(B, T, self.H, self.K)
-        return self.o_proj(self.o_norm(o.to(x_BTD.dtype), gate).reshape(B, T, -1))
+        g = self.g_proj(x_BTD) if hasattr(self, "g_proj") else low_rank(self.g_b_proj, self.g_a_proj(x_BTD))
+        return self.o_proj(self.o_norm(o.to(x_BTD.dtype), g.view(B, T, self.H, self.K)).reshape(B, T, -1))
