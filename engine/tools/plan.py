@@ -207,12 +207,13 @@ def kimi_linear_token_bytes(c: KimiLinearConfig, i: int) -> dict[str, int]:
         attn = bf * D + bf * H * qk + bf * c.kv_lora_rank + bf * H * (qk + v) + bf * 2 * H * v  # x, q, latent, k v, o
         kernel = 0  # one document: SDPA (recomputed); packed: the varlen kernels' o and lse
     else:
-        HK, H = c.linear_num_heads * c.linear_head_dim, c.linear_num_heads
-        # x (bf16, read by the projections); q k v before and after their convolutions; the decay
-        # gate's raw projection (bf16: KDA's kernels make the decay from it); KDA's A_qk and inverse
-        # (bf16, 64 a head); its output (fp32), bf16 copy, the output gate and the norm's output
+        HK, H, K = c.linear_num_heads * c.linear_head_dim, c.linear_num_heads, c.linear_head_dim
+        # x (bf16, read by the projections); q k v before their convolutions (after them they are
+        # remade in the backward, as are the decay gate's raw projection and the output gate:
+        # kiln_kernels.remake), the two low-rank pairs' rank-wide halves they are remade from;
+        # KDA's A_qk and inverse (bf16, 64 a head); its output (fp32), bf16 copy and the norm's output
         kernel = f32 * HK + 2 * bf * 64 * H
-        attn = bf * D + 6 * bf * HK + bf * HK + 2 * bf * 64 * H + bf * HK * 3
+        attn = bf * D + 3 * bf * HK + 2 * bf * K + 2 * bf * 64 * H + bf * HK * 2
     k, E = c.num_experts_per_token, c.num_experts
     if c.mlp_layer_types[i] == "sparse":
         I, Is = c.moe_intermediate_size, c.num_shared_experts * c.moe_intermediate_size
