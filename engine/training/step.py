@@ -18,15 +18,20 @@ from kiln_kernels.ahead import compiling_ahead
 log = logging.getLogger(__name__)
 
 
-def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, cp=None) -> tuple[torch.Tensor, int, int]:
-    """Mean cross-entropy over target tokens, the target count, and how many were argmax-right.
-    ``cp``: the batch is a context-parallel rank's slice (engine.parallel.context.split)."""
+def batch_loss(
+    model: torch.nn.Module, batch: dict, device: torch.device, cp=None
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """Mean cross-entropy over target tokens, the target count, and how many were argmax-right (a
+    tensor on the device: reading it waits for the forward, so the caller reads it after it has
+    launched the backward). ``cp``: the batch is a context-parallel rank's slice
+    (engine.parallel.context.split)."""
+    n = int((batch["labels_BT"][:, 1:] != IGNORE).sum())  # counted where the batch was made: no wait
     ids = batch["input_ids_BT"].to(device)
     labels = batch["labels_BT"].to(device)
     docs, pos = (batch[k].to(device) if batch[k] is not None else None for k in ("doc_ids_BT", "positions_BT"))
     with accelerator.autocast(device):
         loss, right = model(ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels, past=cp)  # no logits
-    return loss, int((labels[:, 1:] != IGNORE).sum()), int(right)
+    return loss, n, torch.as_tensor(right)
 
 
 def forward_backward(model: torch.nn.Module, batch: dict, device: torch.device, cp, total: int | None):
@@ -92,7 +97,7 @@ def accumulate(
         loss, n, right = forward_backward(model, batch, ranks.device, cp, total if part else None)
         if part:
             loss_sum += float(loss.detach()) * n
-            n_sum, right_sum = n_sum + n, right_sum + right
+            n_sum, right_sum = n_sum + n, right_sum + int(right)
             seen += int((batch["input_ids_BT"] != pad).sum())  # under context parallel: this slice's
             rows += packed
     loss_sum, n_sum, right_sum, seen, rows = ranks.sum(loss_sum, n_sum, right_sum, seen, rows)
@@ -113,7 +118,7 @@ def evaluate(
         )  # a stand-in keeps the ranks in step
         loss, k, r = batch_loss(model, batch, ranks.device, cp)
         if part:
-            total, n, right = total + float(loss) * k, n + k, right + r
+            total, n, right = total + float(loss) * k, n + k, right + int(r)
     total, n, right = ranks.sum(total, n, right)
     model.train(was)
     return {"valid_loss": total / max(n, 1), "valid_mean_token_accuracy": right / max(n, 1)}
