@@ -74,6 +74,8 @@ def measure(fn, x, cu) -> dict:
         base = accelerator.allocated(DEV)
         fb = median_ms(fwd_bwd, reps=5, warmup=2)
         peak = (accelerator.max_allocated(DEV) - base) / 2**30
+        for t in x.values():  # the timed backward's gradients are not the forward's to hold
+            t.grad = None
         accelerator.reset_peak(DEV)
         out = fn(x, cu)  # a training forward: its peak, and what it holds for the backward with its outputs
         held = (accelerator.allocated(DEV) - base) / 2**30
