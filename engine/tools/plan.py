@@ -211,7 +211,8 @@ def kimi_linear_token_bytes(c: KimiLinearConfig, i: int) -> dict[str, int]:
         # x (bf16, read by the projections); q k v before their convolutions (after them they are
         # remade in the backward, as are the decay gate's raw projection and the output gate:
         # kiln_kernels.remake), the two low-rank pairs' rank-wide halves they are remade from;
-        # KDA's A_qk and inverse (bf16, 64 a head); its output (fp32), bf16 copy and the norm's output
+        # KDA's A_qk and inverse (bf16, 64 a head); its output (the norm's input) and the norm's
+        # output (o_proj's input), bf16
         kernel = f32 * HK + 2 * bf * 64 * H
         attn = bf * D + 3 * bf * HK + 2 * bf * K + 2 * bf * 64 * H + bf * HK * 2
     k, E = c.num_experts_per_token, c.num_experts

@@ -91,3 +91,53 @@ def test_a_low_rank_projection_drawing_dropout_is_kept():
     assert not hasattr(low_rank(Dropped(0.1).train(), a), "_kiln_remake")  # its draw would not come back
     assert hasattr(low_rank(Dropped(0.1).eval(), a), "_kiln_remake")
     assert hasattr(low_rank(Dropped(0).train(), a), "_kiln_remake")
+
+
+def test_a_producer_returning_a_view_is_remade_too():
+    """A LoRA projection returns a view of its GEMM's output: the mark goes on the base."""
+    calls = []
+
+    def make(a):
+        calls.append(1)
+        return (a @ a.t()).view(-1)
+
+    a = torch.randn(3, 4, requires_grad=True)
+    s = torch.tensor(0.5, requires_grad=True)
+    y = remakeable(make, a)
+    ref = weakref.ref(y._base)
+    out = Scale.apply(y.view(3, 3), s)
+    del y
+    gc.collect()
+    assert ref() is None
+    out.sum().backward()
+    assert len(calls) == 2
+    assert torch.equal(s.grad, (a.detach() @ a.detach().t()).sum())
+
+
+def test_a_marked_tensor_changed_in_place_is_saved_as_it_is():
+    calls = []
+
+    def make(a):
+        calls.append(1)
+        return a * 3
+
+    a = torch.randn(5, requires_grad=True)
+    s = torch.tensor(2.0, requires_grad=True)
+    y = remakeable(make, a)
+    y.mul_(2)  # a recipe would make the value before this
+    Scale.apply(y, s).sum().backward()
+    assert len(calls) == 1 and torch.equal(s.grad, (a.detach() * 6).sum())
+
+
+def test_the_recipes_inputs_are_freed_with_the_backwards_saved_tensors():
+    """They are saved as the Function's own tensors: freed by the backward even while the graph's
+    output is still referenced (a step's loss lives on into the next micro-batch)."""
+    a = torch.randn(4, 4).requires_grad_()
+    x = a * 1  # the recipe's input, held by nothing else
+    ref = weakref.ref(x)
+    s = torch.tensor(1.5, requires_grad=True)
+    out = Scale.apply(remakeable(torch.exp, x), s).sum()
+    del x
+    out.backward()
+    gc.collect()
+    assert ref() is None and out is not None
