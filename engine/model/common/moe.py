@@ -69,9 +69,10 @@ class Router(nn.Module):
             scores = F.linear(f32(x_ND), f32(self.weight)).sigmoid()  # choice of experts must not round away
         choice = scores + self.e_score_correction_bias
         if self.groups > 1:
-            best = choice.view(-1, self.groups, self.E // self.groups).topk(2, -1)[0].sum(-1)
+            grouped = choice.view(-1, self.groups, self.E // self.groups)
+            best = grouped.topk(2, -1)[0].sum(-1)
             keep = torch.zeros_like(best).scatter_(1, best.topk(self.topk_group, -1)[1], 1.0).bool()
-            choice = choice.masked_fill(~keep.repeat_interleave(self.E // self.groups, 1), float("-inf"))
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(-1, self.E)  # whole groups at once
         idx = choice.topk(self.k, -1, sorted=False)[1]
         if self.training and not recomputing():  # tokens per expert since the last balancing update
             counts = counts_of(idx.flatten().sort()[0], self.E)
