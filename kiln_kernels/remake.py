@@ -23,7 +23,7 @@ with no RNG state restored.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ _MARK = "_kiln_remake"
 @dataclass
 class _Recipe:
     fn: Callable[..., torch.Tensor]
-    args: tuple  # the tensors among them are moved into the Function's saved tensors by ``save``
+    args: tuple  # in a Function's ctx, its tensors are indices (_Saved) into the saved tensors
     cast: torch.dtype | None  # the forward's autocast dtype on the output's device (None: off)
     device: str
     layout: tuple  # the output's shape, stride and storage offset (in its base's storage)
@@ -81,7 +81,7 @@ def save(ctx: Any, *tensors: torch.Tensor | None) -> None:
             args.append(a)
         plain[i] = None
         view = (t.shape, t.stride(), t.storage_offset())
-        ctx.remake.append((i, r.fn, tuple(args), r.cast, r.device, r.layout, view))  # not r: it holds the args
+        ctx.remake.append((i, replace(r, args=tuple(args)), view))  # not r itself: it holds the tensors
     ctx.save_for_backward(*plain)
     ctx.saved_count = len(tensors)
 
@@ -95,11 +95,11 @@ def saved(ctx: Any) -> tuple:
     """The tensors ``save`` was given, the marked ones made again."""
     every = ctx.saved_tensors
     tensors = list(every[: ctx.saved_count])
-    for i, fn, args, cast, device, layout, view in ctx.remake:
-        args = tuple(every[a.index] if isinstance(a, _Saved) else a for a in args)
-        with torch.no_grad(), torch.autocast(device, dtype=cast, enabled=cast is not None):
-            y = fn(*args)
-        if (y.shape, y.stride(), y.storage_offset()) != layout:
-            raise RuntimeError(f"a remade activation came back as {tuple(y.shape)} / {y.stride()}, not {layout}")
+    for i, r, view in ctx.remake:
+        args = tuple(every[a.index] if isinstance(a, _Saved) else a for a in r.args)
+        with torch.no_grad(), torch.autocast(r.device, dtype=r.cast, enabled=r.cast is not None):
+            y = r.fn(*args)
+        if (y.shape, y.stride(), y.storage_offset()) != r.layout:
+            raise RuntimeError(f"a remade activation came back as {tuple(y.shape)} / {y.stride()}, not {r.layout}")
         tensors[i] = y.as_strided(*view)
     return tuple(tensors)
