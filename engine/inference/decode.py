@@ -114,9 +114,7 @@ class Decoder:
         new = [len(i) for i in ids]
         positions = self.cache.begin(slots, new)
         flat = torch.tensor([t for i in ids for t in i])
-        docs = torch.arange(len(ids))  # a decode step: one token a sequence
-        if len(flat) != len(ids):
-            docs = torch.repeat_interleave(docs, torch.tensor(new))
+        docs = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(new))
         last = torch.tensor(new).cumsum(0) - 1
         # one copy to the device (each is a wait for the device)
         both = torch.cat([flat, positions[0], last]).to(self.device)
