@@ -31,7 +31,7 @@ def batch_loss(
     docs, pos = (batch[k].to(device) if batch[k] is not None else None for k in ("doc_ids_BT", "positions_BT"))
     with accelerator.autocast(device):
         loss, right = model(ids, batch["pixels_NCHW"].to(device), docs, pos, labels_BT=labels, past=cp)  # no logits
-    return loss, n, torch.as_tensor(right)
+    return loss, n, right
 
 
 def forward_backward(model: torch.nn.Module, batch: dict, device: torch.device, cp, total: int | None):
