@@ -27,7 +27,7 @@ BLOCK, WARPS = 8192, 8  # columns a loop step and warps a row: within noise of t
 
 
 @triton.jit
-def _ce_rows(logits_ptr, stride, labels_ptr, loss_ptr, hit_ptr, V, ignore_index, inv_n, BLOCK: tl.constexpr):
+def _ce_rows(logits_ptr, stride, labels_ptr, loss_ptr, hit_ptr, V, ignore_index, inv_n_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     y = tl.load(labels_ptr + row)
@@ -47,7 +47,7 @@ def _ce_rows(logits_ptr, stride, labels_ptr, loss_ptr, hit_ptr, V, ignore_index,
     x_y = tl.load(base + tl.where(valid, y, 0)).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - x_y, 0.0))
     tl.store(hit_ptr + row, (valid & (arg == y)).to(tl.int32))
-    scale = tl.where(valid, inv_n, 0.0)
+    scale = tl.where(valid, tl.load(inv_n_ptr), 0.0)
     for v in range(0, V, BLOCK):
         cols = v + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32)
@@ -67,7 +67,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         N, D = h_ND.shape
         V = W_VD.shape[0]
         h_ND, W_VD, labels_N = h_ND.contiguous(), W_VD.contiguous(), labels_N.contiguous()
-        n = max(int((labels_N != ignore_index).sum()), 1)
+        # the target count stays on the device: read back here, it would stall the host until the
+        # whole forward had run, before the loss's and the backward's launches
+        n = (labels_N != ignore_index).sum().clamp_(min=1)
+        inv_n = 1.0 / n.to(torch.float32)  # exact as the host's: n < 2^24
         loss_N = torch.empty(N, dtype=torch.float32, device=h_ND.device)
         hit_N = torch.empty(N, dtype=torch.int32, device=h_ND.device)
         dh = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
@@ -85,7 +88,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 hit_N[t : t + C],
                 V,
                 ignore_index,
-                1.0 / n,
+                inv_n,
                 BLOCK=BLOCK,
                 num_warps=WARPS,
             )

@@ -67,6 +67,48 @@ def test_small_chunks_and_all_ignored(monkeypatch):
     assert float(loss) == 0 and not h.grad.any() and not W.grad.any()
 
 
+def test_the_forward_reads_nothing_back_from_the_device(monkeypatch):
+    """No value of the forward's is read on the host (``aten._local_scalar_dense``: what
+    ``int()``, ``item()`` and ``bool()`` of a tensor run): on a GPU such a read waits for the whole
+    forward before the loss's GEMMs and the backward are launched. The target count stays a tensor.
+    The kernel's launches run outside the watch (the interpreter reads its own arguments)."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    from kiln_kernels.loss import triton as impl
+
+    kernel = impl._ce_rows
+
+    class Unwatched:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                with _disable_current_modes():
+                    return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(impl, "_ce_rows", Unwatched())
+    linear_cross_entropy = impl.linear_cross_entropy
+
+    class Reads(TorchDispatchMode):
+        seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    h = torch.randn(6, 32, device=DEVICE, requires_grad=True)  # few rows: triton-ascend's interpreter takes ~3 s a row
+    W = torch.randn(300, 32, device=DEVICE, requires_grad=True)
+    y = torch.randint(0, 300, (6,), device=DEVICE)
+    y[::3] = -100
+    with Reads():
+        loss, right = linear_cross_entropy(h, W, y)
+    assert Reads.seen == []
+    (loss * 2.5).backward()
+    want, dh, _ = definition(h, W, y)  # and the count it divides by is the right one
+    assert abs(float(loss.detach()) - float(want)) / float(want) < 1e-5 and rel(h.grad, dh) < 1e-5
+
+
 @gpu_only
 def test_dispatch_picks_triton_on_cuda_and_reference_when_forced(monkeypatch):
     import kiln_kernels.loss as loss
