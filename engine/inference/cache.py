@@ -27,15 +27,14 @@ from kiln_kernels.dsa import indexer_topk
 from kiln_kernels.kda import Gate, kda_chunk, kda_gate, kda_step
 
 
-def conv_step(window_NWC: torch.Tensor, weight_C1W: torch.Tensor, head_norm: int) -> torch.Tensor:
+def conv_step(window_NWC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
     """kiln_kernels.conv's definition at one token a sequence, from its window of the last W
-    inputs [N, W, C]: the sum in fp32, SiLU, the result in autocast's dtype (the conv's), then
-    q's and k's L2 norm per head in fp32."""
+    inputs [N, W, C]: the sum in fp32, SiLU, the result in autocast's dtype (the conv's); q's and
+    k's L2 norm per head (in fp32) is the caller's."""
     dev = window_NWC.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else window_NWC.dtype
     up = torch.promote_types(window_NWC.dtype, torch.float32)
-    y = F.silu((window_NWC.to(up) * weight_C1W[:, 0].t().to(up)).sum(1)).to(dt)
-    return head_l2_norm(y, head_norm) if head_norm else y
+    return F.silu((window_NWC.to(up) * weight_C1W[:, 0].t().to(up)).sum(1)).to(dt)
 
 
 def offsets(lengths: list[int]) -> torch.Tensor:
@@ -105,24 +104,33 @@ class Cache:
         return t
 
     def conv(
-        self, x_1TC: torch.Tensor, weight_C1W: torch.Tensor, cu: torch.Tensor, head_norm: int, key
-    ) -> torch.Tensor:
-        W, C = weight_C1W.shape[-1], x_1TC.shape[-1]
-        tail = self._tensor(key, (W - 1, C), x_1TC.dtype)
+        self, xs_1TC: list[torch.Tensor], weight_C1W: torch.Tensor, cu: torch.Tensor, head_norms: tuple[int, ...], key
+    ) -> list[torch.Tensor]:
+        """The layer's inputs side by side in one tail ([slots, W - 1, their channels]): a decode
+        step convolves them as one window, each part then normed as its own."""
+        W, widths = weight_C1W.shape[-1], [x.shape[-1] for x in xs_1TC]
+        tail = self._tensor(key, (W - 1, sum(widths)), xs_1TC[0].dtype)
         before = self._of(tail)  # [N, W - 1, C]
         if self.stepping:  # one window of W a sequence (none of them fresh): the definition, batched
-            window = torch.cat([before, x_1TC[0, :, None]], 1)
+            window = torch.cat([before, torch.cat(xs_1TC, -1)[0, :, None]], 1)
             self._set(tail, window[:, 1:])
-            return conv_step(window, weight_C1W, head_norm)[None]
+            parts = conv_step(window, weight_C1W).split(widths, -1)
+            return [(head_l2_norm(y, norm) if norm else y)[None] for y, norm in zip(parts, head_norms, strict=True)]
         before = torch.where(self.fresh[:, None, None], 0, before)  # zeros before a fresh one
         bounds = cu.tolist()
-        parts, keep = [], []
-        for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
-            parts.append(torch.cat([before[d], x_1TC[0, a:b]]))
-            keep.append(torch.arange(b - a) + a + (W - 1) * (d + 1))
-        y = short_conv(torch.cat(parts)[None], weight_C1W, offsets([len(p) for p in parts]), head_norm)
-        self._set(tail, torch.stack([p[-(W - 1) :] for p in parts]))
-        return y[:, torch.cat(keep).to(y.device)]
+        out, kept = [], []
+        for x_1TC, w, b_NWC, norm in zip(
+            xs_1TC, weight_C1W.split(widths), before.split(widths, -1), head_norms, strict=True
+        ):
+            parts, keep = [], []
+            for d, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+                parts.append(torch.cat([b_NWC[d], x_1TC[0, a:b]]))
+                keep.append(torch.arange(b - a) + a + (W - 1) * (d + 1))
+            y = short_conv(torch.cat(parts)[None], w, offsets([len(p) for p in parts]), norm)
+            out.append(y[:, torch.cat(keep).to(y.device)])
+            kept.append(torch.stack([p[-(W - 1) :] for p in parts]))
+        self._set(tail, torch.cat(kept, -1))
+        return out
 
     def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key, gate: Gate | None = None) -> torch.Tensor:
         H, K, V = q.shape[2], q.shape[3], v.shape[3]

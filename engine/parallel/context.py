@@ -181,13 +181,17 @@ class ContextShard:
         return _StateOut.apply(final_state, out, self)
 
     def conv(
-        self, x_1TC: torch.Tensor, weight_C1W: torch.Tensor, cu: torch.Tensor, head_norm: int, key
-    ) -> torch.Tensor:
-        """The short convolution of the slice, its first window reaching into the previous rank's
-        last tokens (``halo``)."""
+        self, xs_1TC: list[torch.Tensor], weight_C1W: torch.Tensor, cu: torch.Tensor, head_norms: tuple[int, ...], key
+    ) -> list[torch.Tensor]:
+        """The short convolutions of the slice, each first window reaching into the previous
+        rank's last tokens (``halo``)."""
         n = weight_C1W.shape[-1] - 1
-        x, cu_halo = self.halo(x_1TC, n, key)
-        return short_conv(x, weight_C1W, cu_halo, head_norm)[:, n:]
+        out = []
+        filters = weight_C1W.split([x.shape[-1] for x in xs_1TC])
+        for i, (x_1TC, w, norm) in enumerate(zip(xs_1TC, filters, head_norms, strict=True)):
+            x, cu_halo = self.halo(x_1TC, n, (key, i))
+            out.append(short_conv(x, w, cu_halo, norm)[:, n:])
+        return out
 
     def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key, gate: Gate | None = None) -> torch.Tensor:
         """The chunked delta rule from the previous rank's final state; this slice's last final

@@ -85,22 +85,21 @@ class KimiDeltaAttention(nn.Module):
         the delta rule starts from their state."""
         B, T, _ = x_BTD.shape
         x_BTD = autocast_input(x_BTD)  # read by eight projections
-        # q's channels, k's, v's convolved apart (no concatenated copy); q and k L2-normalised per
-        # head in fp32 (fla's form), all three in the activations' dtype (bf16 under autocast: the
-        # kernel's products on bf16 tensor cores); the state, the decay and every sum stay fp32
-        filters = self.conv1d.weight.split(self.H * self.K)
-        qkv = []
-        for name, proj, w, norm in zip(
-            "qkv", (self.q_proj, self.k_proj, self.v_proj), filters, (self.K, self.K, 0), strict=True
-        ):
-            y = proj(x_BTD)
-            if past is None:
-                y = remakeable(short_conv, y, w, cu_seqlens, norm)  # remade from y, which the conv keeps
-            else:
-                assert cu_seqlens is not None  # a continuation always has its documents' offsets
-                y = past.conv(y, w, cu_seqlens, norm, (id(self), name))
-            qkv.append(y.view(B, T, self.H, self.K))
-        q, k, v = qkv
+        # q's channels, k's, v's convolved apart in training (no concatenated copy); q and k
+        # L2-normalised per head in fp32 (fla's form), all three in the activations' dtype (bf16
+        # under autocast: the kernel's products on bf16 tensor cores); the state, the decay and
+        # every sum stay fp32
+        projs, norms = (self.q_proj, self.k_proj, self.v_proj), (self.K, self.K, 0)
+        if past is None:
+            filters = self.conv1d.weight.split(self.H * self.K)
+            qkv = [  # each remade from its projection's output, which the conv keeps
+                remakeable(short_conv, proj(x_BTD), w, cu_seqlens, norm)
+                for proj, w, norm in zip(projs, filters, norms, strict=True)
+            ]
+        else:  # the three at once: a decode step convolves them as one
+            assert cu_seqlens is not None  # a continuation always has its documents' offsets
+            qkv = past.conv([proj(x_BTD) for proj in projs], self.conv1d.weight, cu_seqlens, norms, (id(self), "conv"))
+        q, k, v = (y.view(B, T, self.H, self.K) for y in qkv)
         beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
         # the decay made inside the kernels from the gate's raw projection (kept, not an fp32 decay)
         raw, gate = self.forget_gate.raw(x_BTD), self.forget_gate.params

@@ -135,10 +135,11 @@ class Past(Protocol):
     asks for) so that each layer's state stays its own."""
 
     def conv(
-        self, x_1TC: torch.Tensor, weight_C1W: torch.Tensor, cu: torch.Tensor, head_norm: int, key
-    ) -> torch.Tensor:
-        """``kiln_kernels.conv.short_conv`` of x, each document's window reaching back into the
-        tokens before it."""
+        self, xs_1TC: list[torch.Tensor], weight_C1W: torch.Tensor, cu: torch.Tensor, head_norms: tuple[int, ...], key
+    ) -> list[torch.Tensor]:
+        """``kiln_kernels.conv.short_conv`` of each x of a layer (KDA's q, k and v) with its part
+        of ``weight_C1W``'s channels (theirs in order) and its head norm, each document's window
+        reaching back into the tokens before it."""
         ...
 
     def delta_rule(self, q, k, v, g, beta, cu: torch.Tensor, key, gate: Gate | None = None) -> torch.Tensor:
