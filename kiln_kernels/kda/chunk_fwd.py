@@ -248,11 +248,17 @@ def _output(
     c, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     v0 = vb * BV
     bos, rows, ok, last = _rows(CHUNKS, c)
-    # the state through _state_ptrs' int64 tile: an int64 base plus an int32 tile of offsets gave
-    # ptxas the same registers at CONFIG's launch (125 and 126) and crashed triton-ascend 3.2's
-    # TritonToUnstructure pass (a segfault) in about 2% of its fp32 compiles
-    p, m = _state_ptrs(HS, c, h, H, K, VD, 0, v0, BK, BV)
-    S = tl.load(p, mask=m, other=0.0)
+    d, e = tl.arange(0, BK), v0 + tl.arange(0, BV)
+    # the chunk's state: the rows' offsets from an int64 base, the columns added after. Written so
+    # for triton-ascend 3.2, whose TritonToUnstructure pass segfaults now and then on some forms of
+    # this load: an int32 tile of offsets on the int64 base (2% of fp32 compiles), _state_ptrs'
+    # int64 tile (0.7-3% of bf16 ones); this form 0 of 1,000 in each dtype. ptxas (sm_90a, the
+    # launcher's hints): 126 registers at CONFIG's launch, as the int32 tile, 125 _state_ptrs'
+    S = tl.load(
+        HS + ((c * H + h).to(tl.int64) * K * VD + d[:, None] * VD) + e[None, :],
+        mask=(d[:, None] < K) & (e[None, :] < VD),
+        other=0.0,
+    )
     o = _dot(_tile(QG, rows, ok, h, H, K, BK), S, DT, PREC)
     o += _dot(_lower(AQK, rows, ok, h, H), _tile_v(VN, rows, ok, h, H, VD, v0, BV), DT, PREC)
     _put_v(O, o, rows, ok, h, H, VD, v0, BV)
