@@ -107,7 +107,6 @@ class Decoder:
         # never drawn: the image placeholder (it stands for pixels the answer does not have)
         self.banned = torch.tensor([t for t in (tpl.image_id,) if t is not None], dtype=torch.long)
 
-    @torch.no_grad()
     def _forward(self, ids: list[list[int]], slots: list[int], adapters: list[str | None], pixels) -> torch.Tensor:
         """The next tokens ``ids[d]`` of the sequences in ``slots``: the last position's logits of
         each [N, V] fp32."""
@@ -129,6 +128,7 @@ class Decoder:
         self.cache.advance()
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
+    @torch.inference_mode()
     def prefill(self, prompts: list[Prompt]) -> None:
         """Start ``prompts`` (each ``fits``), one forward for all, ordered by adapter."""
         prompts = sorted(prompts, key=lambda p: p.adapter or "")
@@ -152,6 +152,7 @@ class Decoder:
         self.running += [c for c in choices if c.finish is None]
         self.running.sort(key=lambda c: c.prompt.adapter or "")
 
+    @torch.inference_mode()
     def step(self) -> None:
         """One token for every running choice."""
         if not self.running:
@@ -161,6 +162,7 @@ class Decoder:
         self._take(run, logits)
         self.running = [c for c in run if c.finish is None]
 
+    @torch.inference_mode()
     def cancel(self, prompt: Prompt) -> None:
         for c in [c for c in self.running if c.prompt is prompt]:
             self._finish(c, None)

@@ -353,3 +353,20 @@ def test_the_absorbed_decode_step_scores_in_fp32_from_bf16_rows():
     rows[1, 7:] = 1e4  # what a padded row holds must not matter
     again = m._absorbed_step(q.double(), up.double(), down.double(), rows.double(), valid, scale)
     assert torch.equal(again, want)
+
+
+def test_decoding_keeps_no_autograd_record_and_the_model_trains_after_it(models):
+    """The decoder's forwards run in inference mode (no version counters, no autograd record:
+    a decode step's many small ops cost less): what it keeps is inference tensors, and the same
+    model (a job's final evaluation decodes with it) still runs a training forward and backward."""
+    model, tok, tpl = setup(models, "kimi-linear-tiny")
+    dec = Decoder(model, tok, tpl, 2)
+    dec.ends = set()
+    dec.prefill([Prompt([5, 6, 7], None, None, Sampling(max_tokens=4, temperature=0, n=2))])
+    while dec.running:
+        dec.step()
+    assert dec.cache.kept and all(t.is_inference() for t in dec.cache.kept.values())
+    model.train()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model.lm_head(model.hidden(ids)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
