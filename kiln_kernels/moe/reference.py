@@ -115,6 +115,46 @@ def per_row(
     return proj("down_proj", down_EDI, weigh(act(gate, up), w_M))
 
 
+def every_expert_suits(idx_NK: torch.Tensor, gate_up_E2ID: torch.Tensor) -> bool:
+    """``every_expert`` for N tokens of k experts each: no autograd (a decode step), no more experts
+    than the (token, expert) pairs (a gather of each pair's weights would copy every expert's
+    anyway) and at most 2^22 products' numbers."""
+    (N, k), E = idx_NK.shape, gate_up_E2ID.shape[0]
+    return not torch.is_grad_enabled() and E <= N * k and N * gate_up_E2ID.numel() <= 1 << 22
+
+
+def every_expert(
+    x_ND: torch.Tensor,
+    idx_NK: torch.Tensor,
+    w_NK: torch.Tensor,
+    gate_up_E2ID: torch.Tensor,
+    down_EDI: torch.Tensor,
+    act: Callable,
+    lora: Lora | None = None,
+    scaling: float = 1.0,
+) -> torch.Tensor:
+    """[N, D]: each token's experts as the MoE layer sums them (the sort, ``grouped_mlp`` and the
+    sum back into the tokens), computed as every expert on every token weighed by its routing
+    weight there, 0 where the token did not choose it: a dozen ops and no sort, where a decode
+    step's few tokens meet most experts anyway (``every_expert_suits``). Sums in fp32 (or
+    wider)."""
+    lora = lora or {}
+    E, N = gate_up_E2ID.shape[0], x_ND.shape[0]
+    w_EN1 = w_NK.new_zeros(N, E).scatter_(1, idx_NK, w_NK).t()[..., None]
+
+    def proj(name: str, W: torch.Tensor, x_ENI: torch.Tensor) -> torch.Tensor:
+        y = torch.bmm(x_ENI, W.transpose(1, 2))
+        if name in lora:
+            A, B = lora[name]
+            low = torch.bmm(x_ENI.to(A.dtype), A.transpose(1, 2))
+            y = torch.baddbmm(y.to(B.dtype), low, B.transpose(1, 2), alpha=scaling).to(y.dtype)
+        return y
+
+    gate, up = proj("gate_up_proj", gate_up_E2ID, x_ND[None].expand(E, N, -1)).chunk(2, -1)
+    h = (act(gate, up) * w_EN1).to(gate.dtype)
+    return proj("down_proj", down_EDI, h).to(torch.promote_types(x_ND.dtype, torch.float32)).sum(0)
+
+
 def permute(x_ND: torch.Tensor, tok_M: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
     """The (token, slot) pairs' rows in expert order, [M, D]: row m is token tok[m]; ``inv_NK``
     (each pair's row) is the fast version's and unused here."""

@@ -98,6 +98,53 @@ def test_counts_of_sorted_ids_is_bincount(n, size):
 
 
 @pytest.mark.parametrize("act", ["swiglu", "situ"])
+def test_a_decode_steps_tokens_meet_every_expert_as_the_sorted_path_sums_them(act):
+    """``every_expert`` (each expert on every token, weighed by the token's routing weight there,
+    0 where it did not choose it) equals the sort, the loop over the experts and the sum back
+    into the tokens, float64, LoRA on both projections, an expert no token chose; and the MoE
+    layer takes it for a decode step's few tokens without autograd, not with autograd or when
+    experts outnumber the (token, expert) pairs."""
+    from engine.model.common import moe
+    from engine.model.common.moe import ACTIVATIONS, Experts
+    from kiln_kernels.moe import reference
+
+    g = torch.Generator().manual_seed(7)
+    E, D, I, r, N, k = 6, 12, 10, 3, 4, 2
+    t = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    idx = torch.tensor([[0, 3], [3, 4], [5, 0], [3, 2]])  # expert 1 chosen by none
+    x, w = t(N, D), torch.rand(N, k, generator=g, dtype=torch.float64)
+    ex = Experts(E, D, I, act).double()
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(t(E, 2 * I, D))
+        ex.down_proj.copy_(t(E, D, I))
+
+    lora = {"gate_up_proj": (t(E, r, D), t(E, 2 * I, r)), "down_proj": (t(E, r, I), t(E, D, r))}
+    got = reference.every_expert(x, idx, w, ex.gate_up_proj, ex.down_proj, ACTIVATIONS[act], lora, 0.5)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    y = reference.per_expert(
+        x[order // k], counts, ex.gate_up_proj, ex.down_proj, ACTIVATIONS[act], lora, 0.5, w.reshape(-1)[order]
+    )
+    want = torch.zeros_like(x).index_add_(0, order // k, y)
+    assert rel(got, want) < 1e-12 and want.abs().sum() > 0
+
+    calls = []
+    real = moe.every_expert
+    moe.every_expert = lambda *a: calls.append(1) or real(*a)
+    try:
+        ex.lora = type("L", (), {"scaling": 0.5, "factors": lambda self: lora})()
+        with torch.no_grad():
+            assert rel(ex(x, idx, w), want) < 1e-12 and len(calls) == 1
+        assert rel(ex(x, idx, w), want) < 1e-12 and len(calls) == 1  # autograd: the sorted path
+        with torch.no_grad():
+            ex(x[:2], idx[:2], w[:2])  # 6 experts, 4 pairs: the sorted path
+        assert len(calls) == 1
+    finally:
+        moe.every_expert = real
+
+
+@pytest.mark.parametrize("act", ["swiglu", "situ"])
 def test_few_rows_run_row_by_row_as_the_loop_runs_them(act):
     """kiln_kernels.moe.reference on a decode step's rows (``per_row``: each row's expert's weights
     gathered) equals the loop over the experts (``per_expert``), float64, forward and every

@@ -15,8 +15,12 @@ from torch import nn
 from engine.model.common.layers import RMSNorm, autocast_input, f32
 from engine.model.common.recompute import recomputing
 from kiln_kernels.dispatch import backend, impl
-from kiln_kernels.moe import grouped_mlp
-from kiln_kernels.moe.reference import swiglu  # the fused kernel knows it (kiln_kernels.moe.grouped)
+from kiln_kernels.moe import Lora, grouped_mlp
+from kiln_kernels.moe.reference import (
+    every_expert,
+    every_expert_suits,
+    swiglu,  # kiln_kernels.moe.grouped fuses it
+)
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, b1: float = 4.0, b2: float = 25.0) -> torch.Tensor:
@@ -107,25 +111,25 @@ class Experts(nn.Module):
         """Every expert (an index into this module's tensors) on its rows, each row weighed by
         ``w_M`` (its routing weight): the rows come grouped by expert, ``counts_E`` of each
         (kiln_kernels.moe: a loop on the CPU, grouped GEMMs on CUDA)."""
-        lora = getattr(self, "lora", None)  # engine.lora.ExpertsLoRA, when fine-tuning the experts
-        factors = lora.factors() if lora is not None else None
-        return grouped_mlp(
-            x_MD,
-            counts_E,
-            self.gate_up_proj,
-            self.down_proj,
-            self.act,
-            factors,
-            lora.scaling if lora is not None else 1.0,
-            w_M,
-        )
+        return grouped_mlp(x_MD, counts_E, self.gate_up_proj, self.down_proj, self.act, *self._adapter(), w_M)
+
+    def _adapter(self) -> tuple[Lora | None, float]:
+        """The LoRA factors and scaling on the experts (``lora``: engine.lora.ExpertsLoRA when
+        fine-tuning them, a served adapter's in engine.inference.adapters), else None and 1."""
+        lora = getattr(self, "lora", None)
+        return (lora.factors(), lora.scaling) if lora is not None else (None, 1.0)
 
     def forward(self, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
         """Sort the (token, slot) pairs by expert (stable: tokens ascending within an expert), run
         the experts (they weigh their rows: the weight scales the activation, before the down
         projection), add back into the tokens (expert by expert, as a loop would). The rows are
-        cast (under autocast) before they are copied k times: k times fewer casts each way."""
+        cast (under autocast) before they are copied k times: k times fewer casts each way. A
+        decode step's few tokens on the reference: every expert on every token, no sort
+        (``every_expert``)."""
         x_in = autocast_input(x_ND)
+        if backend(x_ND) == "reference" and every_expert_suits(idx_NK, self.gate_up_proj):
+            W1, W2 = self.gate_up_proj, self.down_proj
+            return every_expert(x_in, idx_NK, w_NK, W1, W2, self.act, *self._adapter()).to(x_ND.dtype)
         flat = idx_NK.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = order // idx_NK.shape[1]
