@@ -68,6 +68,12 @@ class Choice:
     ids: list[int] = field(default_factory=list)  # sampled, the end token included
     sent: int = 0  # characters of the text emitted
     finish: str | None = None
+    # the text of ids[:read], settled (no unfinished character), and where the next decode
+    # starts: one settled piece back, whose text anchors the new tokens' (a piece's leading
+    # space, a character split over tokens)
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
 
 
 def encode_prompt(tok: Tokenizer, tpl: ChatTemplate, messages: list[Message], image_tokens: int) -> list[int]:
@@ -180,8 +186,20 @@ class Decoder:
             else:
                 self._text(c, c.ids, "length" if limit else None)
 
+    def _decoded(self, c: Choice, ids: list[int]) -> str:
+        """The text of ``ids`` (c's tokens, or all but its end token), decoding only from
+        ``c.prefix`` on: a step costs the same at the 4,000th token as at the first. Where the
+        tokenizer's text of the later tokens does not extend that of the earlier, the whole."""
+        head, tail = self.tok.decode(ids[c.prefix : c.read]), self.tok.decode(ids[c.prefix :])
+        if not tail.startswith(head):
+            return self.tok.decode(ids)
+        text = c.text + tail[len(head) :]
+        if not tail.endswith("\ufffd"):  # settled: the next step decodes from these tokens on
+            c.text, c.prefix, c.read = text, c.read, len(ids)
+        return text
+
     def _text(self, c: Choice, ids: list[int], finish: str | None) -> None:
-        text = self.tok.decode(ids)
+        text = self._decoded(c, ids)
         stops = c.prompt.sampling.stop
         cut = min((i for i in (text.find(s, max(0, c.sent - len(s))) for s in stops) if i >= 0), default=-1)
         if cut >= 0:

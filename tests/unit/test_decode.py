@@ -370,3 +370,54 @@ def test_decoding_keeps_no_autograd_record_and_the_model_trains_after_it(models)
     ids = torch.tensor([[5, 6, 7, 8]])
     model.lm_head(model.hidden(ids)).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def _metaspace_bpe(text: str):
+    """A SentencePiece-style BPE (pieces carry their leading space as "▁", which a decode drops at
+    the start of its text), trained on ``text``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from kiln.tokenizer import HFTokenizer
+
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    t.train_from_iterator([text] * 4, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    tok = HFTokenizer.__new__(HFTokenizer)
+    tok._t, tok.vocab_size, tok._added = t, t.get_vocab_size(), set()
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["bytes", "metaspace"])
+def test_the_streamed_text_is_the_whole_decode_and_each_step_decodes_a_few_tokens(models, kind):
+    """An answer of 600 tokens or more with characters split over tokens (bytes) and pieces whose leading space
+    a decode drops at its start (metaspace): the streamed pieces join to the tokenizer's text of
+    the whole answer, and the steps decode a bounded number of tokens each, not the answer so far
+    (which made a long answer's steps slower with every token)."""
+    from engine.inference.decode import Choice
+    from kiln.tokenizer import ByteTokenizer
+
+    model, _, tpl = setup(models, "kiln-tiny")
+    text = " ".join(["Trois — façon, ☕ déjà vu; naïve café ≠ 咖啡."] * 60)
+    tok = ByteTokenizer() if kind == "bytes" else _metaspace_bpe(text)
+    ids = tok.encode(text)
+    assert len(ids) >= 600
+    decoded = []
+
+    class Counting:
+        vocab_size = tok.vocab_size
+
+        def decode(self, x):
+            decoded.append(len(x))
+            return tok.decode(x)
+
+    pieces: list[str] = []
+    dec = Decoder(model, Counting(), tpl, 1, lambda p, chunk: pieces.append(chunk.text))
+    dec.ends, dec.banned = set(), torch.tensor([], dtype=torch.long)
+    c = Choice(Prompt([1], None, None, Sampling(max_tokens=len(ids), temperature=0)), 0, 0, torch.Generator())
+    for t in ids:
+        logits = torch.zeros(1, max(tok.vocab_size, max(ids) + 1))
+        logits[0, t] = 1.0
+        dec._take([c], logits)
+    assert c.finish == "length" and "".join(pieces) == tok.decode(ids) == text
+    assert max(decoded) <= 16 and sum(decoded) <= 8 * len(ids)
