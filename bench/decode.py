@@ -20,9 +20,11 @@ cache's tensors, counted; transformers: the tensors of ``past_key_values``, coun
 KDA layers' part, which does not grow with the length. Both sides in bf16 on CUDA or an NPU (Kiln:
 bf16 weights under bf16 autocast, as its trainer), fp32 on the CPU.
 
-Writes bench/results/decode.json: ``{"device", "date", "rows": [{"batch", "prompt", "new",
-"kiln_tokens_per_s", "hf_tokens_per_s", "ratio", "kiln_prefill_s", "hf_prefill_s",
-"kiln_state_mib_per_seq", "hf_state_mib_per_seq", "kiln_kda_state_mib_per_seq"}]}``.
+Appends its run to bench/results/decode.json (``{"runs": [...]}``, every run kept: either side
+moves between runs, and the spread is part of the result): ``{"device", "date", "command",
+"rows": [{"batch", "prompt", "new", "kiln_tokens_per_s", "hf_tokens_per_s", "ratio",
+"kiln_prefill_s", "hf_prefill_s", "kiln_state_mib_per_seq", "hf_state_mib_per_seq",
+"kiln_kda_state_mib_per_seq"}]}``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -291,12 +294,16 @@ def main() -> None:
                 f" {row['hf_state_mib_per_seq']:.2f} MiB",
                 flush=True,
             )
-    name = accelerator.name(device)
-    out = {"device": name, "date": datetime.date.today().isoformat(), "rows": rows}
+    command = "python3 -m bench.decode " + " ".join(sys.argv[1:])
+    out = {
+        "device": accelerator.name(device),
+        "date": datetime.date.today().isoformat(),
+        "command": command,
+        "rows": rows,
+    }
     RESULTS.parent.mkdir(exist_ok=True)
     prev = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    runs = {r["device"]: r for r in prev.get("runs", [])} | {name: out}
-    RESULTS.write_text(json.dumps({"runs": list(runs.values())}, indent=2) + "\n")
+    RESULTS.write_text(json.dumps({"runs": [*prev.get("runs", []), out]}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
