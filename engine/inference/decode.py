@@ -189,12 +189,12 @@ class Decoder:
     def _decoded(self, c: Choice, ids: list[int]) -> str:
         """The text of ``ids`` (c's tokens, or all but its end token), decoding only from
         ``c.prefix`` on: a step costs the same at the 4,000th token as at the first. Where the
-        tokenizer's text of the later tokens does not extend that of the earlier, the whole."""
+        tokenizer's text of the later tokens does not extend that of the earlier (a ByteFallback
+        decoder joins byte tokens across the two: an invalid run), the whole, settled as well."""
         head, tail = self.tok.decode(ids[c.prefix : c.read]), self.tok.decode(ids[c.prefix :])
-        if not tail.startswith(head):
-            return self.tok.decode(ids)
-        text = c.text + tail[len(head) :]
-        if not tail.endswith("\ufffd"):  # settled: the next step decodes from these tokens on
+        whole = tail.startswith(head)
+        text = c.text + tail[len(head) :] if whole else self.tok.decode(ids)
+        if not text.endswith("\ufffd"):  # settled: the next step decodes from these tokens on
             c.text, c.prefix, c.read = text, c.read, len(ids)
         return text
 

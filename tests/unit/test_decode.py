@@ -421,3 +421,44 @@ def test_the_streamed_text_is_the_whole_decode_and_each_step_decodes_a_few_token
         dec._take([c], logits)
     assert c.finish == "length" and "".join(pieces) == tok.decode(ids) == text
     assert max(decoded) <= 16 and sum(decoded) <= 8 * len(ids)
+
+
+def test_a_tokenizer_whose_later_text_rewrites_the_earlier_still_decodes_a_few_tokens_a_step(models):
+    """A ByteFallback decoder (Llama's) joins byte tokens into one run before it decodes them: é's
+    two bytes then a lone lead byte read back as three U+FFFD, not "é" and one. The text of the
+    later tokens no longer extends that of the earlier, and the whole answer is decoded at that
+    step; the steps after it go back to a few tokens each (they used to stay on the whole)."""
+    from tokenizers import Tokenizer, decoders
+    from tokenizers import models as tok_models
+
+    from engine.inference.decode import Choice
+    from kiln.tokenizer import HFTokenizer
+
+    vocab = {"<unk>": 0, "<0xC3>": 1, "<0xA9>": 2, "<0xE2>": 3, "▁x": 4, "y": 5}
+    t = Tokenizer(tok_models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    t.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok = HFTokenizer.__new__(HFTokenizer)
+    tok._t, tok.vocab_size, tok._added = t, len(vocab), set()
+    ids = [1, 2, 3, 4] + [5] * 600
+    assert tok.decode(ids[:2]) == "é" and tok.decode(ids[:4]) == "\ufffd\ufffd\ufffd x"
+    model, _, tpl = setup(models, "kiln-tiny")
+    decoded, pieces = [], []
+
+    class Counting:
+        vocab_size = tok.vocab_size
+
+        def decode(self, x):
+            decoded.append(len(x))
+            return tok.decode(x)
+
+    dec = Decoder(model, Counting(), tpl, 1, lambda p, chunk: pieces.append(chunk.text))
+    dec.ends, dec.banned = set(), torch.tensor([], dtype=torch.long)
+    c = Choice(Prompt([1], None, None, Sampling(max_tokens=len(ids), temperature=0)), 0, 0, torch.Generator())
+    for t_ in ids:
+        logits = torch.zeros(1, len(vocab))
+        logits[0, t_] = 1.0
+        dec._take([c], logits)
+    assert c.finish == "length" and "".join(pieces)[1:] == tok.decode(ids)[1:] and c.text == tok.decode(ids)
+    assert max(decoded[8 * 3 :]) <= 8  # after the rewrite (the whole: 4 tokens), a few tokens a step
