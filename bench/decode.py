@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -294,7 +295,7 @@ def main() -> None:
                 f" {row['hf_state_mib_per_seq']:.2f} MiB",
                 flush=True,
             )
-    command = "python3 -m bench.decode " + " ".join(sys.argv[1:])
+    command = shlex.join(["python3", "-m", "bench.decode", *sys.argv[1:]])
     out = {
         "device": accelerator.name(device),
         "date": datetime.date.today().isoformat(),
