@@ -85,7 +85,12 @@ MLA = dict(H=64, G=1, D=576, DA=512, DB=64, E=512, PREC="tf32")
 ATTN = dict(Q=BF, Kk=BF, V=BF, IDX=I32, CNT=I32)
 GRADS = dict(DO=BF, LSE=F32, DELTA=F32)
 KERNELS |= {
-    "dsa fwd": (dsa._attn_fwd, ATTN | dict(O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32"), MLA),
+    "dsa fwd": (dsa._attn_fwd, ATTN | dict(O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32"), MLA | dict(SHARED=False)),
+    "dsa fwd shared": (
+        dsa._attn_fwd,
+        ATTN | dict(O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32"),
+        MLA | dict(SHARED=True),
+    ),
     "dsa dq": (
         dsa._attn_bwd_dq,
         ATTN | GRADS | dict(DQ=BF, T="i32", NK="i32", scale="fp32", scale2="fp32"),
@@ -106,9 +111,13 @@ KERNELS |= {
 
 def settings(kernel: str, tune: bool) -> list[dict]:
     """The kernel's launch settings today (its module's CONFIG), then its bench's candidates."""
-    name = kernel.removeprefix("dsa ")
+    name = kernel.removeprefix("dsa ").removesuffix(" shared")
     config, candidates = (dsa.CONFIG, dsa_bench.CANDIDATES) if kernel != name else (kda.CONFIG, kda_bench.CANDIDATES)
-    return [config[name]] + ([c for c in candidates.get(name, []) if c != config[name]] if tune else [])
+    found = [config[name]] + ([c for c in candidates.get(name, []) if c != config[name]] if tune else [])
+    if kernel.endswith(" shared"):  # the values from the key tile: one value block, E wide
+        wide = [{**c, "EB": 512} for c in found]
+        found = [c for i, c in enumerate(wide) if c not in wide[:i]]
+    return found
 
 
 def aligned(fn, args: dict) -> dict:

@@ -7,7 +7,9 @@ the indexer's top-k and without gathered copies of the keys.
   ``torch.topk`` on it is exact and breaks ties to the earlier key, as the reference does. Queries
   go in chunks of at most 2 GiB of keys; only keys up to the chunk's last query are scored.
 - ``sparse_attention``: flash attention over each query's index list. Forward: a program per
-  (query, key head, block of its query heads), online softmax over blocks of gathered keys.
+  (query, key head, block of its query heads), online softmax over blocks of gathered keys; where
+  the values are a view of the keys' first dims (MLA's absorbed latent, ``shared_values``), they
+  come from the key tile already loaded.
   Backward: dq by the same walk; dk and dv by a program per (query, key head) that sums over all
   of the group's query heads before one fp32 atomic add per selected key (under
   ``torch.use_deterministic_algorithms``: into a slot per query and key, summed by torch's
@@ -201,8 +203,11 @@ def _attn_fwd(
     BH: tl.constexpr,
     BK: tl.constexpr,
     PREC: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
-    """A program per (query, key head, block of BH query heads x EB value dims)."""
+    """A program per (query, key head, block of BH query heads x EB value dims). ``SHARED``: the
+    values are the keys' first E = DA dims (MLA's absorbed form, the latent both), taken from
+    the key tile already loaded (EB = E): a selected row is read once, not twice."""
     t, bg, he = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
@@ -225,7 +230,10 @@ def _attn_fwd(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
+        if SHARED:
+            v = ka
+        else:
+            v = tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     l_safe = tl.where(l > 0, l, 1.0)
@@ -479,6 +487,19 @@ def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor]) 
             out.view(-1, w).index_add_(0, rows, buf.view(-1, w))
 
 
+def shared_values(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """v is a view of k's first E dims, E the first of the head dim's two tiles (MLA's absorbed
+    form: the latent is both keys and values, 512 of 576): the forward reads values from keys."""
+    return (
+        k.is_contiguous()
+        and v.data_ptr() == k.data_ptr()
+        and v.dtype == k.dtype
+        and v.shape[:-1] == k.shape[:-1]
+        and v.stride() == k.stride()
+        and v.shape[-1] == _split(k.shape[-1])[0]
+    )
+
+
 def _attn_meta(q, k, v):
     B, T, H, D = q.shape
     G, E = k.shape[2], v.shape[-1]
@@ -498,7 +519,9 @@ def _bh(cfg: dict, HG: int, x: torch.Tensor) -> dict:
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, idx, scale, with_weights):
-        q, k, v, idx = q.contiguous(), k.contiguous(), v.contiguous(), idx.to(torch.int32).contiguous()
+        shared = shared_values(k, v)  # v stays a view of k (the backward's kernels take a copy)
+        q, k, idx = q.contiguous(), k.contiguous(), idx.to(torch.int32).contiguous()
+        v = v if shared else v.contiguous()
         meta, (B, T, H, G, E) = _attn_meta(q, k, v)
         NK = idx.shape[-1]
         cnt = _counts(idx)
@@ -508,9 +531,9 @@ class _SparseAttention(torch.autograd.Function):
             o = torch.empty(B, T, H, E, dtype=q.dtype, device=q.device)
             lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
             cfg = _bh(CONFIG["fwd"], H // G, q)
-            cfg["EB"] = min(cfg["EB"], _pow2(E))
+            cfg["EB"] = E if shared else min(cfg["EB"], _pow2(E))
             blocks = triton.cdiv(H // G, cfg["BH"]) * triton.cdiv(E, cfg["EB"])
-            _attn_fwd[(T, B * G, blocks)](q, k, v, idx, cnt, o, lse, T, NK, scale2, **meta, **cfg)
+            _attn_fwd[(T, B * G, blocks)](q, k, v, idx, cnt, o, lse, T, NK, scale2, **meta, **cfg, SHARED=shared)
             if not with_weights:
                 return o, lse, None
             p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device)
@@ -528,6 +551,7 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dp):
         q, k, v, idx, cnt, o, lse = ctx.saved_tensors
+        v = v.contiguous()  # a view of k's first dims where the forward shared them
         meta, (B, T, H, G, E) = _attn_meta(q, k, v)
         meta["E_PAD"] = _pow2(E)
         NK = idx.shape[-1]

@@ -236,6 +236,8 @@ def cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
         qa, ka, va = _grad(r(B, T, H, D), r(B, T, 1, D), r(B, T, 1, E))
         out = dsa.sparse_attention(qa, ka, va, idx, D**-0.5, with_weights=True)
         _backward(out)
+        (kv,) = _grad(r(B, T, 1, D))  # the model's form: the values a view of the keys' first E dims
+        _backward(dsa.sparse_attention(qa, kv, kv[..., :E], idx, D**-0.5, with_weights=True))
         qi, ki, wi = _grad(q.clone(), k.clone(), w.clone())
         p = torch.softmax(torch.randn(B, T, idx.shape[-1]), -1)
         _backward(dsa.indexer_kl_loss(qi, ki, wi, idx, p))

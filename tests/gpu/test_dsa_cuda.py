@@ -126,6 +126,31 @@ def test_sparse_attention_matches_the_reference(B, T, H, G, D, E, topk, packed, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,H,G,D,E,topk,packed", ATTN)
+def test_values_that_are_the_keys_first_dims_match_the_reference(B, T, H, G, D, E, topk, packed, dtype):
+    """MLA's absorbed form: the values are a view of the keys' first E dims (the latent is both),
+    which the forward reads from the key tiles; the output, the weights and every gradient (the
+    keys' through both) match the reference's; a copy of those dims is not taken for shared."""
+    from kiln_kernels.dsa.triton import indexer_topk, shared_values, sparse_attention
+
+    st = starts(B, T, packed)
+    idx = indexer_topk(*indexer_inputs(B, T, 4, 16, torch.float32, seed=2), st, topk)
+    g = torch.Generator(device=DEVICE).manual_seed(D + T + 1)
+    q = torch.randn(B, T, H, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    kv = torch.randn(B, T, G, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    do = torch.randn(B, T, H, E, device=DEVICE, generator=g).to(dtype)
+    assert shared_values(kv, kv[..., :E]) and not shared_values(kv, kv[..., :E].contiguous())
+    o, p = sparse_attention(q, kv, kv[..., :E], idx, D**-0.5, with_weights=True)
+    o.backward(do)
+    q64, kv64 = (x.detach().double().requires_grad_() for x in (q, kv))
+    o64, p64 = R.sparse_attention(q64, kv64, kv64[..., :E], idx, D**-0.5, with_weights=True)
+    o64.backward(do.double())
+    tol = TOL[dtype]
+    assert rel(o, o64) < tol and rel(p, p64) < tol
+    assert rel(q.grad, q64.grad) < tol and rel(kv.grad, kv64.grad) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,J,DH,topk,packed", INDEX)
 def test_indexer_loss_matches_the_reference(B, T, J, DH, topk, packed, dtype):
     from kiln_kernels.dsa.triton import indexer_kl_loss, indexer_topk

@@ -153,8 +153,9 @@ class GatedDSAttention(nn.Module):
         if up is not None:  # keys and values: the latent, shared by all heads
             assert down is not None  # _absorbed gives both or neither
             q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, up.to(q_nope.dtype)), q_rot], -1)
-            k = torch.cat([latent, k_rot], -1)[:, :, None]
-            o, weights = self._attend(q, k.to(q.dtype), latent[:, :, None].to(q.dtype), idx, scale, learns)
+            k = torch.cat([latent, k_rot], -1)[:, :, None].to(q.dtype)
+            # the values: a view of the keys' latent dims, which the kernel reads once for both
+            o, weights = self._attend(q, k, k[..., : self.rank], idx, scale, learns)
             o = torch.einsum("bthr,hvr->bthv", o, down.to(o.dtype))
         else:
             k_nope, v = self.kv_b_proj(latent).view(B, S, self.H, -1).split([self.nope, self.v], -1)
