@@ -19,7 +19,7 @@ from engine.lora import apply_lora, save_adapter
 from engine.model.registry import ensure_builtin, load_base
 from kiln.dataset import Example, Message
 from kiln.spec import LoraSpec
-from kiln.tokenizer import chat_template, load_tokenizer
+from kiln.tokenizer import Tokenizer, chat_template, load_tokenizer
 
 FAMILIES = ["kiln-tiny", "kimi-linear-tiny", "kiln-hybrid-tiny"]
 
@@ -372,46 +372,43 @@ def test_decoding_keeps_no_autograd_record_and_the_model_trains_after_it(models)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
-def _metaspace_bpe(text: str):
+def _hf(t, folder) -> Tokenizer:
+    """``t`` (a tokenizers.Tokenizer) as Kiln loads a base model's: saved as tokenizer.json, read
+    back through kiln.tokenizer."""
+    t.save(str(folder / "tokenizer.json"))
+    return load_tokenizer(folder)
+
+
+def _metaspace_bpe(text: str, folder) -> Tokenizer:
     """A SentencePiece-style BPE (pieces carry their leading space as "▁", which a decode drops at
     the start of its text), trained on ``text``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as T
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from kiln.tokenizer import HFTokenizer
-
-    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t = T(models.BPE(unk_token="<unk>"))
     t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
     t.train_from_iterator([text] * 4, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
-    tok = HFTokenizer.__new__(HFTokenizer)
-    tok._t, tok.vocab_size, tok._added = t, t.get_vocab_size(), set()
-    return tok
+    return _hf(t, folder)
 
 
-@pytest.mark.parametrize("kind", ["bytes", "metaspace"])
-def test_the_streamed_text_is_the_whole_decode_and_each_step_decodes_a_few_tokens(models, kind):
-    """An answer of 600 tokens or more with characters split over tokens (bytes) and pieces whose leading space
-    a decode drops at its start (metaspace): the streamed pieces join to the tokenizer's text of
-    the whole answer, and the steps decode a bounded number of tokens each, not the answer so far
-    (which made a long answer's steps slower with every token)."""
+def _stream(models, tok: Tokenizer, ids: list[int]):
+    """A decoder made to take ``ids`` one a step (one-hot logits, greedy): its choice, the text
+    pieces it streamed, and the length of every id list it gave the tokenizer to decode."""
     from engine.inference.decode import Choice
-    from kiln.tokenizer import ByteTokenizer
 
     model, _, tpl = setup(models, "kiln-tiny")
-    text = " ".join(["Trois — façon, ☕ déjà vu; naïve café ≠ 咖啡."] * 60)
-    tok = ByteTokenizer() if kind == "bytes" else _metaspace_bpe(text)
-    ids = tok.encode(text)
-    assert len(ids) >= 600
-    decoded = []
+    decoded: list[int] = []
+    pieces: list[str] = []
 
     class Counting:
         vocab_size = tok.vocab_size
+        encode, special = tok.encode, tok.special
 
-        def decode(self, x):
-            decoded.append(len(x))
-            return tok.decode(x)
+        def decode(self, ids: list[int]) -> str:
+            decoded.append(len(ids))
+            return tok.decode(ids)
 
-    pieces: list[str] = []
     dec = Decoder(model, Counting(), tpl, 1, lambda p, chunk: pieces.append(chunk.text))
     dec.ends, dec.banned = set(), torch.tensor([], dtype=torch.long)
     c = Choice(Prompt([1], None, None, Sampling(max_tokens=len(ids), temperature=0)), 0, 0, torch.Generator())
@@ -419,46 +416,43 @@ def test_the_streamed_text_is_the_whole_decode_and_each_step_decodes_a_few_token
         logits = torch.zeros(1, max(tok.vocab_size, max(ids) + 1))
         logits[0, t] = 1.0
         dec._take([c], logits)
+    return c, pieces, decoded
+
+
+@pytest.mark.parametrize("kind", ["bytes", "metaspace"])
+def test_the_streamed_text_is_the_whole_decode_and_each_step_decodes_a_few_tokens(models, kind, tmp_path):
+    """An answer of 600 tokens or more with characters split over tokens (bytes) and pieces whose
+    leading space a decode drops at its start (metaspace): the streamed pieces join to the
+    tokenizer's text of the whole answer, and the steps decode a bounded number of tokens each,
+    not the answer so far (which made a long answer's steps slower with every token)."""
+    from kiln.tokenizer import ByteTokenizer
+
+    text = " ".join(["Trois — façon, ☕ déjà vu; naïve café ≠ 咖啡."] * 60)
+    tok = ByteTokenizer() if kind == "bytes" else _metaspace_bpe(text, tmp_path)
+    ids = tok.encode(text)
+    assert len(ids) >= 600
+    c, pieces, decoded = _stream(models, tok, ids)
     assert c.finish == "length" and "".join(pieces) == tok.decode(ids) == text
     assert max(decoded) <= 16 and sum(decoded) <= 8 * len(ids)
 
 
-def test_a_tokenizer_whose_later_text_rewrites_the_earlier_still_decodes_a_few_tokens_a_step(models):
+def test_a_tokenizer_whose_later_text_rewrites_the_earlier_still_decodes_a_few_tokens_a_step(models, tmp_path):
     """A ByteFallback decoder (Llama's) joins byte tokens into one run before it decodes them: é's
     two bytes then a lone lead byte read back as three U+FFFD, not "é" and one. The text of the
     later tokens no longer extends that of the earlier, and the whole answer is decoded at that
     step; the steps after it go back to a few tokens each (they used to stay on the whole)."""
-    from tokenizers import Tokenizer, decoders
+    from tokenizers import Tokenizer as T
+    from tokenizers import decoders
     from tokenizers import models as tok_models
 
-    from engine.inference.decode import Choice
-    from kiln.tokenizer import HFTokenizer
-
     vocab = {"<unk>": 0, "<0xC3>": 1, "<0xA9>": 2, "<0xE2>": 3, "▁x": 4, "y": 5}
-    t = Tokenizer(tok_models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    t = T(tok_models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
     t.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    tok = HFTokenizer.__new__(HFTokenizer)
-    tok._t, tok.vocab_size, tok._added = t, len(vocab), set()
+    tok = _hf(t, tmp_path)
     ids = [1, 2, 3, 4] + [5] * 600
     assert tok.decode(ids[:2]) == "é" and tok.decode(ids[:4]) == "\ufffd\ufffd\ufffd x"
-    model, _, tpl = setup(models, "kiln-tiny")
-    decoded, pieces = [], []
-
-    class Counting:
-        vocab_size = tok.vocab_size
-
-        def decode(self, x):
-            decoded.append(len(x))
-            return tok.decode(x)
-
-    dec = Decoder(model, Counting(), tpl, 1, lambda p, chunk: pieces.append(chunk.text))
-    dec.ends, dec.banned = set(), torch.tensor([], dtype=torch.long)
-    c = Choice(Prompt([1], None, None, Sampling(max_tokens=len(ids), temperature=0)), 0, 0, torch.Generator())
-    for t_ in ids:
-        logits = torch.zeros(1, len(vocab))
-        logits[0, t_] = 1.0
-        dec._take([c], logits)
+    c, pieces, decoded = _stream(models, tok, ids)
     assert c.finish == "length" and "".join(pieces)[1:] == tok.decode(ids)[1:] and c.text == tok.decode(ids)
     assert max(decoded[8 * 3 :]) <= 8  # after the rewrite (the whole: 4 tokens), a few tokens a step
