@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -107,17 +108,7 @@ class ServedLinear(nn.Module):
         self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}  # name: (A^T, B^T, scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        y2 = F.linear(x2, self.base.weight, self.base.bias)
-        rows = x2.shape[0]
-        for name, a, b in _active(rows, "a served linear layer"):
-            f = self.factors.get(name)
-            if f is None:
-                continue
-            At, Bt, s = f
-            xs, ys = (x2, y2) if (a, b) == (0, rows) else (x2[a:b], y2[a:b])
-            ys.addmm_(torch.mm(xs.to(At.dtype), At), Bt, alpha=s)
-        return y2.view(*x.shape[:-1], y2.shape[-1])
+        return _served(x, self.base.weight, self.base.bias, self.factors, "a served linear layer")
 
     def effective_weight(self) -> torch.Tensor | None:
         """The layer as one matrix (a module that reads it, as DSA's absorbed attention does):
@@ -127,6 +118,91 @@ class ServedLinear(nn.Module):
         if r is not None and any(a in self.factors for a in r.adapters if a is not None):
             return None
         return self.base.weight
+
+
+def _served(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+    who: str,
+) -> torch.Tensor:
+    """x W^T + b, and for each adapter's rows + scaling * (x A^T) B^T (``factors``: name ->
+    A^T, B^T, scaling)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y2 = F.linear(x2, weight, bias)
+    rows = x2.shape[0]
+    for name, a, b in _active(rows, who):
+        f = factors.get(name)
+        if f is None:
+            continue
+        At, Bt, s = f
+        xs, ys = (x2, y2) if (a, b) == (0, rows) else (x2[a:b], y2[a:b])
+        ys.addmm_(torch.mm(xs.to(At.dtype), At), Bt, alpha=s)
+    return y2.view(*x.shape[:-1], y2.shape[-1])
+
+
+class ServedGroup(nn.Module):
+    """Linear layers that read one input (a module's ``input_projections``: KDA's six, an MLP's
+    gate and up), served as one: their weights become views of the rows of one matrix (no copy
+    kept), one product serves them all, and an adapter's factors on any of them sit side by side,
+    its A's stacked ([in, sum of ranks]) and its B's block-diagonal ([sum of ranks, out]): one
+    product pair an adapter. A decode step's time is the host's per op: KDA's six projections
+    with LoRA on three took fifteen ops, here three. The module calls it in their place
+    (``served_group``), which gives the layers' outputs in order. The matrix is a buffer (not
+    saved): a cast or move of the model takes it along."""
+
+    weight: torch.Tensor
+
+    def __init__(self, layers: list[nn.Linear]):
+        super().__init__()
+        self.register_buffer("weight", torch.cat([m.weight.detach() for m in layers]), persistent=False)
+        self.sizes = [m.out_features for m in layers]
+        for m, w in zip(layers, self.weight.split(self.sizes), strict=True):
+            m.weight = nn.Parameter(w, requires_grad=m.weight.requires_grad)
+        self.parts: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # adapter: layer -> A^T, B^T
+        self.factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}  # adapter: A^Ts, B^Ts, scaling
+
+    def add(self, name: str, i: int, At: torch.Tensor, Bt: torch.Tensor, scaling: float) -> None:
+        """Adapter ``name``'s factors (transposed) on the group's ``i``-th layer."""
+        parts = self.parts.setdefault(name, {})
+        parts[i] = At, Bt
+        ranks = [parts[j][0].shape[1] for j in sorted(parts)]
+        B = Bt.new_zeros(sum(ranks), self.weight.shape[0])
+        row = 0
+        for j, r in zip(sorted(parts), ranks, strict=True):
+            col = sum(self.sizes[:j])
+            B[row : row + r, col : col + self.sizes[j]] = parts[j][1]
+            row += r
+        self.factors[name] = torch.cat([parts[j][0] for j in sorted(parts)], 1), B, scaling
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(_served(x, self.weight, None, self.factors, "a served group of layers").split(self.sizes, -1))
+
+
+def fuse(model: nn.Module) -> None:
+    """Serve each module's ``input_projections`` as one ``ServedGroup`` where they are plain
+    linear layers without bias of one input width, dtype and device (a server's model, once it
+    sits where it serves; adapters added later find the group)."""
+    for m in list(model.modules()):
+        names = getattr(m, "input_projections", None)
+        if names is None or getattr(m, "served_group", None) is not None:
+            continue
+        layers = cast(list[nn.Linear], [m.get_submodule(n) for n in names()])
+        plain = all(type(x) is nn.Linear and x.bias is None for x in layers)  # not a LoRA layer, not served
+        if plain and len({(x.in_features, x.weight.dtype, x.weight.device) for x in layers}) == 1:
+            m.served_group = ServedGroup(layers)
+
+
+def _groups(model: nn.Module) -> dict[str, tuple[ServedGroup, int]]:
+    """Each grouped layer's path: its group and its place in it."""
+    out = {}
+    for path, m in model.named_modules():
+        group = getattr(m, "served_group", None)
+        if isinstance(group, ServedGroup):
+            for i, n in enumerate(m.input_projections()):
+                out[f"{path}.{n}" if path else n] = group, i
+    return out
 
 
 class _Factors:
@@ -211,7 +287,12 @@ class Adapters:
         def put(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:  # (PEFT's expert layout: a permuted view)
             return t.to(device, like.dtype).contiguous()
 
+        groups = _groups(self.model)
         for path, (A, B) in linears.items():
+            if path in groups:
+                group, i = groups[path]
+                group.add(name, i, put(A.t(), group.weight), put(B.t(), group.weight), scaling)
+                continue
             layer = self._served(path, ServedLinear)
             W = layer.base.weight
             layer.factors[name] = (put(A.t(), W), put(B.t(), W), scaling)
@@ -232,6 +313,8 @@ class Adapters:
 
     def remove(self, name: str) -> None:
         for m in self.model.modules():
-            if isinstance(m, (ServedLinear, ServedExperts)):
+            if isinstance(m, (ServedLinear, ServedExperts, ServedGroup)):
                 m.factors.pop(name, None)
+            if isinstance(m, ServedGroup):
+                m.parts.pop(name, None)
         self.names.discard(name)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from engine import device as accelerator
-from engine.inference.adapters import Adapters
+from engine.inference.adapters import Adapters, fuse
 from engine.inference.decode import Chunk, Decoder, Prompt, Sampling, encode_prompt, pixels_of
 from engine.model.registry import load_base, position_limit
 from kiln.chat import MAX_N  # choices per request; a request's choices all fit in one batch
@@ -90,6 +90,7 @@ class Batcher:
             getattr(model, "image_tokens", None) if getattr(model, "image_size", 0) else None
         )
         self.context_limit = position_limit(model)
+        fuse(model)  # where it serves: the projections that read one input, one product
         self.adapters = Adapters(model)
         self.max_adapters = max_adapters
         self._recent: OrderedDict[str, None] = OrderedDict()  # the loaded adapters, least recently used first

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from engine.inference import Batcher, Decoder, Prompt, Sampling
-from engine.inference.adapters import Adapters, ServedLinear
+from engine.inference.adapters import Adapters, ServedGroup, ServedLinear, fuse
 from engine.inference.decode import encode_prompt, pixels_of
 from engine.lora import apply_lora, save_adapter
 from engine.model.registry import ensure_builtin, load_base
@@ -149,7 +149,9 @@ def random_adapter(models, name: str, folder, seed: int, spec: LoraSpec) -> torc
 @pytest.mark.parametrize("name", ["kiln-tiny", "kimi-linear-tiny", "kiln-hybrid-tiny"])
 def test_adapters_served_side_by_side_equal_each_model_alone(models, tmp_path, name):
     """One batch: the base and two adapters (on different layers; the MoE families' on their
-    experts too) each equal the model that has that adapter alone."""
+    experts too) each equal the model that has that adapter alone. The model as a server keeps
+    it: the projections that read one input fused (KDA's six, an MLP's gate and up), their
+    weights views of the group's, one adapter on two of KDA's six and the other on an MLP's up."""
     experts = [] if name == "kiln-tiny" else ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     specs = [
         LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"], target_parameters=experts),
@@ -161,6 +163,12 @@ def test_adapters_served_side_by_side_equal_each_model_alone(models, tmp_path, n
     for k, spec in enumerate(specs):
         alone.append(random_adapter(models, name, tmp_path / f"a{k}", 10 + k, spec))
     model, tok, tpl = setup(models, name)
+    fuse(model)
+    fused = [m for m in model.modules() if isinstance(getattr(m, "served_group", None), ServedGroup)]
+    assert bool(fused) == (name != "kiln-tiny")  # kiln-tiny's MLP is its own
+    for m in fused:  # no copy kept: the layers' weights are rows of the group's
+        group = m.served_group.weight.untyped_storage().data_ptr()
+        assert all(m.get_submodule(n).weight.untyped_storage().data_ptr() == group for n in m.input_projections())
     served = Adapters(model)
     served.add("a0", tmp_path / "a0")
     served.add("a1", tmp_path / "a1")
@@ -248,7 +256,7 @@ def test_over_its_adapter_limit_a_base_unloads_the_least_recently_used_idle_one(
     b.decoder.ends = set()
 
     def factors() -> set[str]:
-        return {n for m in b.model.modules() if isinstance(m, ServedLinear) for n in m.factors}
+        return {n for m in b.model.modules() if isinstance(m, (ServedLinear, ServedGroup)) for n in m.factors}
 
     try:
         ids, _ = b.encode(Example(0, [Message("user", "Tell me a story")], []))

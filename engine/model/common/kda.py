@@ -30,9 +30,10 @@ class ForgetGate(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1))
         self.H, self.K, self.lower_bound = H, K, lower_bound
 
-    def raw(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """The low-rank projection, before the decay is made of it: [B, T, H, K]."""
-        return low_rank(self.f_b_proj, self.f_a_proj(x_BTD)).view(*x_BTD.shape[:2], self.H, self.K)
+    def raw(self, f_a_BTK: torch.Tensor) -> torch.Tensor:
+        """The low-rank projection from its first half's output (``f_a_proj``'s), before the decay
+        is made of it: [B, T, H, K]."""
+        return low_rank(self.f_b_proj, f_a_BTK).view(*f_a_BTK.shape[:2], self.H, self.K)
 
     @property
     def params(self) -> Gate:
@@ -50,7 +51,10 @@ def low_rank(second: nn.Module, a: torch.Tensor) -> torch.Tensor:
 class KimiDeltaAttention(nn.Module):
     """KDA layer: q/k/v projections and short causal convolutions, the decay gate, beta, the
     chunked delta rule, a gated RMSNorm per head and o_proj. ``full_rank_gate`` (K3): the output
-    gate is one D x HK projection (``g_proj``) instead of the low-rank g_a/g_b pair."""
+    gate is one D x HK projection (``g_proj``) instead of the low-rank g_a/g_b pair.
+
+    ``served_group``: the six projections that read x (``input_projections``) as one, where a
+    decode server fused them (engine.inference.adapters.ServedGroup): their outputs in that order."""
 
     def __init__(
         self,
@@ -64,6 +68,7 @@ class KimiDeltaAttention(nn.Module):
     ):
         super().__init__()
         D = hidden
+        self.served_group: nn.Module | None = None  # set by a decode server
         self.H, self.K = H, K
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, H * K, bias=False) for _ in range(3))
         self.conv1d = nn.Conv1d(3 * H * K, 3 * H * K, conv, groups=3 * H * K, bias=False)
@@ -77,6 +82,10 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(K, eps)
         self.o_proj = nn.Linear(H * K, D, bias=False)
 
+    def input_projections(self) -> tuple[str, ...]:
+        gate = "g_proj" if hasattr(self, "g_proj") else "g_a_proj"
+        return ("q_proj", "k_proj", "v_proj", "forget_gate.f_a_proj", "b_proj", gate)
+
     def forward(
         self, x_BTD: torch.Tensor, cu_seqlens: torch.Tensor | None = None, past: Past | None = None
     ) -> torch.Tensor:
@@ -85,28 +94,33 @@ class KimiDeltaAttention(nn.Module):
         the delta rule starts from their state."""
         B, T, _ = x_BTD.shape
         x_BTD = autocast_input(x_BTD)  # read by eight projections
+        # the six that read x: one product where a server fused them (``served_group``)
+        first = self.served_group(x_BTD) if self.served_group is not None else None
         # q's channels, k's, v's convolved apart in training (no concatenated copy); q and k
         # L2-normalised per head in fp32 (fla's form), all three in the activations' dtype (bf16
         # under autocast: the kernel's products on bf16 tensor cores); the state, the decay and
         # every sum stay fp32
-        projs, norms = (self.q_proj, self.k_proj, self.v_proj), (self.K, self.K, 0)
+        ins = first[:3] if first is not None else [p(x_BTD) for p in (self.q_proj, self.k_proj, self.v_proj)]
+        norms = (self.K, self.K, 0)
         if past is None:
             filters = self.conv1d.weight.split(self.H * self.K)
             qkv = [  # each remade from its projection's output, which the conv keeps
-                remakeable(short_conv, proj(x_BTD), w, cu_seqlens, norm)
-                for proj, w, norm in zip(projs, filters, norms, strict=True)
+                remakeable(short_conv, y, w, cu_seqlens, norm) for y, w, norm in zip(ins, filters, norms, strict=True)
             ]
         else:  # the three at once: a decode step convolves them as one
             assert cu_seqlens is not None  # a continuation always has its documents' offsets
-            qkv = past.conv([proj(x_BTD) for proj in projs], self.conv1d.weight, cu_seqlens, norms, (id(self), "conv"))
+            qkv = past.conv(ins, self.conv1d.weight, cu_seqlens, norms, (id(self), "conv"))
         q, k, v = (y.view(B, T, self.H, self.K) for y in qkv)
-        beta = torch.sigmoid(f32(self.b_proj(x_BTD)))
+        beta = torch.sigmoid(f32(first[4] if first is not None else self.b_proj(x_BTD)))
         # the decay made inside the kernels from the gate's raw projection (kept, not an fp32 decay)
-        raw, gate = self.forget_gate.raw(x_BTD), self.forget_gate.params
+        f_a = first[3] if first is not None else self.forget_gate.f_a_proj(x_BTD)
+        raw, gate = self.forget_gate.raw(f_a), self.forget_gate.params
         if past is None:
             o, _ = kda_chunk(q, k, v, raw, beta, cu_seqlens=cu_seqlens, gate=gate)
         else:
             assert cu_seqlens is not None
             o = past.delta_rule(q, k, v, raw, beta, cu_seqlens, (id(self), "S"), gate)
-        g = self.g_proj(x_BTD) if hasattr(self, "g_proj") else low_rank(self.g_b_proj, self.g_a_proj(x_BTD))
+        full = hasattr(self, "g_proj")
+        g_in = first[5] if first is not None else (self.g_proj if full else self.g_a_proj)(x_BTD)
+        g = g_in if full else low_rank(self.g_b_proj, g_in)
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), g.view(B, T, self.H, self.K)).reshape(B, T, -1))

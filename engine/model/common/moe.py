@@ -32,18 +32,25 @@ ACTIVATIONS = {"swiglu": swiglu, "situ": situ}
 
 
 class MLP(nn.Module):
+    """``served_group``: gate_proj and up_proj as one, where a decode server fused them
+    (engine.inference.adapters.ServedGroup)."""
+
     def __init__(self, D: int, inter: int, act: str = "swiglu"):
         super().__init__()
         self.gate_proj, self.up_proj = nn.Linear(D, inter, bias=False), nn.Linear(D, inter, bias=False)
         self.down_proj = nn.Linear(inter, D, bias=False)
         self.act = ACTIVATIONS[act]
+        self.served_group: nn.Module | None = None  # set by a decode server
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = autocast_input(x)
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        gate, up = self.served_group(x) if self.served_group is not None else (self.gate_proj(x), self.up_proj(x))
         if self.act is swiglu:  # fused on CUDA: one pass each way, silu(gate) not kept
             return self.down_proj(impl("swiglu", gate, up).swiglu(gate, up))
         return self.down_proj(self.act(gate, up))
+
+    def input_projections(self) -> tuple[str, ...]:
+        return ("gate_proj", "up_proj")
 
 
 def counts_of(sorted_ids: torch.Tensor, n: int) -> torch.Tensor:
