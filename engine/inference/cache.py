@@ -55,8 +55,8 @@ class Cache:
         self.stepping = False
         self.span: tuple[int, int] | None = None  # the slots, where they are consecutive and in order
 
-    def begin(self, slots: list[int], new: list[int]) -> torch.Tensor:
-        """The next forward: ``new[d]`` tokens for slot ``slots[d]``; returns their positions [1, T]
+    def begin(self, slots: list[int], new: list[int]) -> list[int]:
+        """The next forward: ``new[d]`` tokens for slot ``slots[d]``; returns their positions [T]
         (each slot's token count so far onwards: RoPE's positions)."""
         if len(set(slots)) != len(slots):
             raise ValueError(f"a slot appears twice in one forward: {slots}")
@@ -69,7 +69,7 @@ class Cache:
         self.index, self.fresh, self.at = both[0], both[1].bool(), both[2]
         first = slots[0] if slots else 0
         self.span = (first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
-        return torch.cat([torch.arange(p, p + n) for p, n in zip(self.past, new, strict=True)])[None]
+        return [p + i for p, n in zip(self.past, new, strict=True) for i in range(n)]
 
     def advance(self) -> None:
         for s, n in zip(self.slots, self.new, strict=True):

@@ -118,14 +118,13 @@ class Decoder:
         each [N, V] fp32."""
         new = [len(i) for i in ids]
         positions = self.cache.begin(slots, new)
-        flat = torch.tensor([t for i in ids for t in i])
-        docs = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(new))
-        last = torch.tensor(new).cumsum(0) - 1
-        # one copy to the device (each is a wait for the device)
-        both = torch.cat([flat, positions[0], last]).to(self.device)
-        L = len(flat)
+        L = sum(new)
+        ends = offsets(new)[1:].tolist()
+        # one tensor made and one copy to the device (each is a wait for the device)
+        both = torch.tensor([t for i in ids for t in i] + positions + [e - 1 for e in ends]).to(self.device)
         flat, positions, last = both[:L][None], both[L : 2 * L][None], both[2 * L :]
-        docs = docs[None]  # the documents stay on the host: the layers read their offsets there
+        # the documents stay on the host: the layers read their offsets there
+        docs = torch.tensor([d for d, n in enumerate(new) for _ in range(n)])[None]
         routing = Routing(adapters, offsets(new).tolist())
         with accelerator.autocast(self.device, self.autocast), routes(routing):
             h = self.model.hidden(flat, pixels, docs, positions, self.cache)
