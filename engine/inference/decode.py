@@ -117,11 +117,11 @@ class Decoder:
         """The next tokens ``ids[d]`` of the sequences in ``slots``: the last position's logits of
         each [N, V] fp32."""
         new = [len(i) for i in ids]
-        positions = self.cache.begin(slots, new)
+        at = self.cache.begin(slots, new)
         L = sum(new)
         ends = offsets(new)[1:].tolist()
         # one tensor made and one copy to the device (each is a wait for the device)
-        both = torch.tensor([t for i in ids for t in i] + positions + [e - 1 for e in ends]).to(self.device)
+        both = torch.tensor([t for i in ids for t in i] + at + [e - 1 for e in ends]).to(self.device)
         flat, positions, last = both[:L][None], both[L : 2 * L][None], both[2 * L :]
         # the documents stay on the host: the layers read their offsets there
         docs = torch.tensor([d for d, n in enumerate(new) for _ in range(n)])[None]
