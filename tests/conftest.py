@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack import REDIS_URL, S3Server, Stack, create_pg_database, drop_pg_database
+# the stack (the service's packages: psycopg, the API) is imported by the fixtures that start
+# one, so that tests/gpu runs where only torch is (the GPU machines)
 
 SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample"
 
@@ -20,6 +21,8 @@ def sample() -> Path:
 def make_pg_stack(tmp_path_factory):
     """Start stacks in the production layout (PostgreSQL + Redis), each on a fresh database,
     with settings of the test's choosing; all stopped and dropped when the module ends."""
+    from tests.stack import REDIS_URL, Stack, create_pg_database, drop_pg_database
+
     made = []
 
     def make(broker_url: str = REDIS_URL, workers: int = 1, home: Path | None = None, **settings) -> Stack:
@@ -37,6 +40,8 @@ def make_pg_stack(tmp_path_factory):
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """A real S3 server (SeaweedFS) for the session; each test takes a fresh bucket of it."""
+    from tests.stack import S3Server
+
     server = S3Server(tmp_path_factory.mktemp("s3")).start()
     try:
         yield server
@@ -52,6 +57,8 @@ def pg_stack(make_pg_stack):
 @pytest.fixture(scope="module")
 def sqlite_stack(tmp_path_factory):
     """Embedded defaults: SQLite and Celery over SQLite, no server but ours."""
+    from tests.stack import Stack
+
     home = tmp_path_factory.mktemp("embedded")
     stack = Stack(home, f"sqlite:///{home / 'kiln.sqlite'}", f"sqla+sqlite:///{home / 'broker.sqlite'}")
     try:
