@@ -5,8 +5,9 @@ different adapters of one base share its weights and one batch.
 ``Adapters.add`` reads a PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``, the
 layout engine.lora saves) and puts a ``ServedLinear`` in place of each linear layer it targets
 (once: later adapters add their factors to the same layer) and a ``ServedExperts`` around each
-experts module whose grouped weights it targets. Both are the identity on the base's output for
-rows of no adapter (the base model itself).
+experts module whose grouped weights it targets; a layer of a ``ServedGroup`` (``fuse``: a
+server's layers that read one input, served as one product) takes its factors in its group. All
+three are the identity on the base's output for rows of no adapter (the base model itself).
 
 Each forward says which of its documents are whose (``Routing``); a served layer finds its rows'
 spans by their count: the forward's tokens, or full attention's key rows (``key_layout``). A
@@ -148,9 +149,13 @@ class ServedGroup(nn.Module):
     kept), one product serves them all, and an adapter's factors on any of them sit side by side,
     its A's stacked ([in, sum of ranks]) and its B's block-diagonal ([sum of ranks, out]): one
     product pair an adapter. A decode step's time is the host's per op: KDA's six projections
-    with LoRA on three took fifteen ops, here three. The module calls it in their place
-    (``served_group``), which gives the layers' outputs in order. The matrix is a buffer (not
-    saved): a cast or move of the model takes it along."""
+    with one adapter on three took fifteen ops, here three. The module calls it in their place
+    (``served_group``), which gives the layers' outputs in order, views of one tensor: a long
+    prefill holds q's, k's and v's projections until the layer ends (3 x T x H*K numbers, 0.75
+    GiB a KDA layer at 32k tokens of the 48B shape in bf16), where the unfused layer freed them
+    after the convolution. The matrix is a buffer (not saved): a cast or move of the model takes
+    it along, but then the layers' weights become copies of their own and the adapters' factors
+    stay as they were: fuse and add adapters where the model serves."""
 
     weight: torch.Tensor
 

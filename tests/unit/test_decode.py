@@ -151,12 +151,15 @@ def test_adapters_served_side_by_side_equal_each_model_alone(models, tmp_path, n
     """One batch: the base and two adapters (on different layers; the MoE families' on their
     experts too) each equal the model that has that adapter alone. The model as a server keeps
     it: the projections that read one input fused (KDA's six, an MLP's gate and up), their
-    weights views of the group's, one adapter on two of KDA's six and the other on an MLP's up."""
+    weights views of the group's; KDA's group holds both adapters (ranks 4 and 2: q and v, k),
+    an MLP's the second (up). Removed, an adapter leaves every group."""
     experts = [] if name == "kiln-tiny" else ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     specs = [
         LoraSpec(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"], target_parameters=experts),
         LoraSpec(
-            rank=2, alpha=2.0, target_modules=["o_proj", "up_proj"] + ([] if name == "kiln-tiny" else ["kv_b_proj"])
+            rank=2,
+            alpha=2.0,
+            target_modules=["o_proj", "up_proj", "k_proj"] + ([] if name == "kiln-tiny" else ["kv_b_proj"]),
         ),
     ]
     alone = [load_base(models / name).double().eval()]
@@ -188,6 +191,16 @@ def test_adapters_served_side_by_side_equal_each_model_alone(models, tmp_path, n
     # the adapters differ from the base and each other on the same prompt
     first = {p.adapter: dec.seen[(id(p), 0)][0][0] for p in prompts[:3]}
     assert not torch.allclose(first["a0"], first[None]) and not torch.allclose(first["a1"], first[None])
+    served.remove("a1")
+    held = [set(m.served_group.factors) | set(m.served_group.parts) for m in fused]
+    assert all("a1" not in h for h in held) and any("a0" in h for h in held) == (name != "kiln-tiny")
+
+
+def test_the_server_fuses_its_model(models):
+    """The Batcher serves KDA's and the MLPs' input projections as groups (kimi-linear-tiny)."""
+    b = Batcher(models / "kimi-linear-tiny", device="cpu")
+    kinds = {type(m).__name__ for m in b.model.modules() if isinstance(getattr(m, "served_group", None), ServedGroup)}
+    assert kinds == {"KimiDeltaAttention", "MLP"}
 
 
 def test_an_adapter_that_does_not_fit_is_refused_and_changes_nothing(models, tmp_path):

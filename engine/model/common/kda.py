@@ -93,8 +93,7 @@ class KimiDeltaAttention(nn.Module):
         context parallel, a decode's earlier steps): the convolutions read their last tokens and
         the delta rule starts from their state."""
         B, T, _ = x_BTD.shape
-        x_BTD = autocast_input(x_BTD)  # read by eight projections
-        # the six that read x: one product where a server fused them (``served_group``)
+        x_BTD = autocast_input(x_BTD)  # read by six projections (one product where a server fused them)
         first = self.served_group(x_BTD) if self.served_group is not None else None
         # q's channels, k's, v's convolved apart in training (no concatenated copy); q and k
         # L2-normalised per head in fp32 (fla's form), all three in the activations' dtype (bf16
