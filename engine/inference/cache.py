@@ -25,6 +25,7 @@ from kiln_kernels.conv import short_conv
 from kiln_kernels.conv.reference import head_l2_norm
 from kiln_kernels.dsa import indexer_topk
 from kiln_kernels.kda import Gate, kda_chunk, kda_gate, kda_step
+from kiln_kernels.widths import cast, wide_dtype
 
 
 def conv_step(window_NWC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
@@ -33,8 +34,8 @@ def conv_step(window_NWC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tenso
     k's L2 norm per head (in fp32) is the caller's."""
     dev = window_NWC.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else window_NWC.dtype
-    up = torch.promote_types(window_NWC.dtype, torch.float32)
-    return F.silu((window_NWC.to(up) * weight_C1W[:, 0].t().to(up)).sum(1)).to(dt)
+    up = wide_dtype(window_NWC.dtype)
+    return cast(F.silu((cast(window_NWC, up) * cast(weight_C1W[:, 0].t(), up)).sum(1)), dt)
 
 
 def offsets(lengths: list[int]) -> torch.Tensor:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln_kernels.widths import cast, wide
+
 EPS = 1e-6  # the L2 norm's
 
 
@@ -35,5 +37,5 @@ def short_conv(
 
 def head_l2_norm(y: torch.Tensor, n: int) -> torch.Tensor:
     """Each group of ``n`` channels L2-normalised in fp32 (fla's form), returned in y's dtype."""
-    v = y.unflatten(-1, (-1, n)).to(torch.promote_types(y.dtype, torch.float32))
-    return (v * torch.rsqrt((v * v).sum(-1, keepdim=True) + EPS)).flatten(-2).to(y.dtype)
+    v = wide(y.unflatten(-1, (-1, n)))
+    return cast((v * torch.rsqrt((v * v).sum(-1, keepdim=True) + EPS)).flatten(-2), y.dtype)

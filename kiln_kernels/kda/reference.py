@@ -27,6 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kiln_kernels.widths import cast, wide_dtype
+
 
 class Gate(NamedTuple):
     """The decay gate's parameters (``kda_gate``'s arguments after g_raw). Passed to ``kda_chunk``,
@@ -49,11 +51,11 @@ def kda_gate(
     Default: g = -exp(A_log) * softplus(g_raw + dt_bias). With ``lower_bound`` (K3's "safe
     gate", -5): g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias)), so g >= lower_bound."""
     H, K = g_raw_BTHK.shape[-2:]
-    up = torch.promote_types(g_raw_BTHK.dtype, torch.float32)  # fp32, or fp64 when checking
-    x = g_raw_BTHK.to(up)
+    up = wide_dtype(g_raw_BTHK.dtype)  # fp32, or fp64 when checking
+    x = cast(g_raw_BTHK, up)
     if dt_bias_HK is not None:
-        x = x + dt_bias_HK.to(up).view(H, K)
-    a = A_log_H.to(up).view(H, 1).exp()
+        x = x + cast(dt_bias_HK, up).view(H, K)
+    a = cast(A_log_H, up).view(H, 1).exp()
     if lower_bound is None:
         return -a * F.softplus(x)
     return lower_bound * torch.sigmoid(a * x)
@@ -128,19 +130,21 @@ def kda_step(
     sums as a few batched products (a decoder's step, where the loop's einsums cost more than
     their arithmetic). Returns o [N, H, V] in v's dtype and the states [N, H, K, V] (fp32: autocast
     off inside, which would take the state's update to bf16)."""
+    if torch.is_autocast_enabled(q_NHK.device.type):
+        with torch.autocast(q_NHK.device.type, enabled=False):
+            return kda_step(q_NHK, k_NHK, v_NHV, g_NHK, beta_NH, state_NHKV, scale)
     N, H, K = q_NHK.shape
     V = v_NHV.shape[-1]
-    up = torch.promote_types(state_NHKV.dtype, torch.float32)
+    up = wide_dtype(state_NHKV.dtype)
     scale = K**-0.5 if scale is None else scale
-    with torch.autocast(q_NHK.device.type, enabled=False):
-        S = state_NHKV.to(up).reshape(N * H, K, V) * g_NHK.to(up).exp().reshape(N * H, K, 1)
-        k = k_NHK.to(up).reshape(N * H, 1, K)
-        err = v_NHV.to(up).reshape(N * H, 1, V) - torch.bmm(k, S)
-        # the write is rank one: an elementwise product (a batched GEMM of inner size 1 costs the
-        # CPU eight times as much)
-        S = torch.addcmul(S, k.transpose(1, 2), err * beta_NH.to(up).reshape(N * H, 1, 1))
-        o = torch.bmm(q_NHK.to(up).reshape(N * H, 1, K) * scale, S)
-    return o.view(N, H, V).to(v_NHV.dtype), S.view(N, H, K, V)
+    S = cast(state_NHKV, up).reshape(N * H, K, V) * cast(g_NHK, up).exp().reshape(N * H, K, 1)
+    k = cast(k_NHK, up).reshape(N * H, 1, K)
+    err = cast(v_NHV, up).reshape(N * H, 1, V) - torch.bmm(k, S)
+    # the write is rank one: an elementwise product (a batched GEMM of inner size 1 costs the CPU
+    # eight times as much)
+    S = torch.addcmul(S, k.transpose(1, 2), err * cast(beta_NH, up).reshape(N * H, 1, 1))
+    o = torch.bmm(cast(q_NHK, up).reshape(N * H, 1, K) * scale, S)
+    return cast(o.view(N, H, V), v_NHV.dtype), S.view(N, H, K, V)
 
 
 def kda_chunk(

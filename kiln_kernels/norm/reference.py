@@ -16,20 +16,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from kiln_kernels.widths import cast, wide
 
 
 def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x r in fp32 (or wider): torch's one op for it (a decode step's norms are a few rows,
     their time the host's per op)."""
-    return F.rms_norm(_f32(x), x.shape[-1:], eps=eps)
+    return F.rms_norm(wide(x), x.shape[-1:], eps=eps)
 
 
 def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight_D * _normed(x, eps).to(x.dtype)
+    return weight_D * cast(_normed(x, eps), x.dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    return (_f32(weight_D) * _normed(x, eps) * torch.sigmoid(_f32(gate))).to(x.dtype)
+    return cast(wide(weight_D) * _normed(x, eps) * torch.sigmoid(wide(gate)), x.dtype)

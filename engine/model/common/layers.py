@@ -11,11 +11,12 @@ from torch import nn
 
 from kiln_kernels.kda import Gate
 from kiln_kernels.norm import gated_rms_norm, rms_norm
+from kiln_kernels.widths import wide
 
 
 def f32(x: torch.Tensor) -> torch.Tensor:
     """At least fp32: fp64 stays fp64 (the checks run the model in fp64)."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return wide(x)
 
 
 def autocast_input(x: torch.Tensor) -> torch.Tensor:
