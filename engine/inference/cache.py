@@ -17,6 +17,8 @@ Legend: N documents of the forward, T tokens, C channels, S key rows, W the filt
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import torch
 import torch.nn.functional as F
 
@@ -115,8 +117,13 @@ class Cache:
         if self.stepping:  # one window of W a sequence (none of them fresh): the definition, batched
             window = torch.cat([before, torch.cat(xs_1TC, -1)[0, :, None]], 1)
             self._set(tail, window[:, 1:])
-            parts = conv_step(window, weight_C1W).split(widths, -1)
-            return [(head_l2_norm(y, norm) if norm else y)[None] for y, norm in zip(parts, head_norms, strict=True)]
+            y, at, out = conv_step(window, weight_C1W), 0, []
+            for norm, run in groupby(zip(widths, head_norms, strict=True), key=lambda p: p[1]):
+                ws = [w for w, _ in run]  # side by side with one head norm (q's and k's): normed as one
+                block = y[:, at : at + sum(ws)]
+                out += (head_l2_norm(block, norm) if norm else block)[None].split(ws, -1)
+                at += sum(ws)
+            return out
         before = torch.where(self.fresh[:, None, None], 0, before)  # zeros before a fresh one
         bounds = cu.tolist()
         out, kept = [], []

@@ -89,6 +89,20 @@ def test_bias_balancing_evens_out_expert_load():
     assert abs(float(router.e_score_correction_bias.mean())) < 1e-6  # mean-free updates
 
 
+def test_the_router_chooses_in_fp32_under_autocast():
+    """Under bf16 autocast the router's scores stay fp32: the same experts and weights as without
+    it, where bf16 scores would tie and reorder close experts."""
+    torch.manual_seed(0)
+    router = Router(64, 32, 4)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.02)
+    x = torch.randn(50, 64)
+    idx, w = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        idx2, w2 = router(x)
+    assert w2.dtype == torch.float32 and torch.equal(idx2, idx) and torch.equal(w2, w)
+
+
 @pytest.mark.parametrize("n,size", [(8, 1000), (64, 37), (5, 0)])
 def test_counts_of_sorted_ids_is_bincount(n, size):
     """The experts' row counts without bincount's host sync: the same counts, absent ids 0."""

@@ -76,8 +76,10 @@ class Router(nn.Module):
         self.load: torch.Tensor | None = None  # tokens per expert, counted while training
 
     def forward(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.autocast(x_ND.device.type, enabled=False):  # fp32 scores under bf16 autocast too: the
-            scores = F.linear(f32(x_ND), f32(self.weight)).sigmoid()  # choice of experts must not round away
+        if torch.is_autocast_enabled(x_ND.device.type):  # fp32 scores under bf16 autocast too: the
+            with torch.autocast(x_ND.device.type, enabled=False):  # choice of experts must not round away
+                return self.forward(x_ND)
+        scores = F.linear(f32(x_ND), f32(self.weight)).sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.groups > 1:
             grouped = choice.view(-1, self.groups, self.E // self.groups)
