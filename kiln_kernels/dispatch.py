@@ -38,9 +38,10 @@ def backend(*tensors: torch.Tensor) -> Backend:
     Ascend NPU, none float64), else ``reference`` (and always where KILN_KERNELS=reference)."""
     if os.environ.get("KILN_KERNELS", "auto") == "reference":
         return "reference"
-    if all(t.is_cuda and t.dtype != torch.float64 for t in tensors):
+    first = tensors[0].device.type if tensors else "cuda"  # (a CPU tensor's answer after one look)
+    if first == "cuda" and all(t.is_cuda and t.dtype != torch.float64 for t in tensors):
         return "cuda"
-    if tensors:
+    if first == "npu":
         if all(t.device.type == "npu" and t.dtype != torch.float64 for t in tensors):
             # a grid may pass 65,535 programs (a program per row): triton-ascend then maps the
             # programs onto the cores in a loop (launching as many as there are); our kernels'

@@ -32,6 +32,7 @@ from torch import nn
 
 from engine.lora import PEFT_PREFIX, peft_expert_factors
 from engine.model.common.moe import Experts
+from kiln_kernels import widths
 
 Route = tuple[str, int, int]
 
@@ -44,6 +45,7 @@ class Routing:
 
     def __init__(self, adapters: list[str | None], cu: list[int]):
         self.adapters = adapters
+        self.any = any(adapters)
         self.layouts = {cu[-1]: cu}
         self._spans: dict[int, list[Route]] = {}
 
@@ -52,7 +54,7 @@ class Routing:
 
     def spans(self, rows: int, who: str) -> list[Route]:
         """The adapters' row spans of a layer that sees ``rows`` rows, those of one adapter merged."""
-        if not any(self.adapters):
+        if not self.any:
             return []
         if rows in self._spans:  # every served layer of the forward asks: worked out once a layout
             return self._spans[rows]
@@ -139,7 +141,7 @@ def _served(
             continue
         At, Bt, s = f
         xs, ys = (x2, y2) if (a, b) == (0, rows) else (x2[a:b], y2[a:b])
-        ys.addmm_(torch.mm(xs.to(At.dtype), At), Bt, alpha=s)
+        ys.addmm_(torch.mm(widths.cast(xs, At.dtype), At), Bt, alpha=s)
     return y2.view(*x.shape[:-1], y2.shape[-1])
 
 
@@ -233,18 +235,23 @@ class ServedExperts(nn.Module):
         spans = [r for r in _active(N, "a served experts module") if r[0] in self.factors]
         if not spans:
             return self.inner(x_ND, idx_NK, w_NK)
+        if len(spans) == 1 and spans[0][1:] == (0, N):  # every row one adapter's: no slices, no cat
+            return self._adapted(spans[0][0], x_ND, idx_NK, w_NK)
         pieces, at = [], 0  # the base's rows between the adapters' spans, each span with its factors
         for name, a, b in [*spans, ("", N, N)]:
             if at < a:
                 pieces.append(self.inner(x_ND[at:a], idx_NK[at:a], w_NK[at:a]))
             if name:
-                setattr(self.inner, "lora", self.factors[name])  # noqa: B010  (what Experts.grouped reads)
-                try:
-                    pieces.append(self.inner(x_ND[a:b], idx_NK[a:b], w_NK[a:b]))
-                finally:
-                    delattr(self.inner, "lora")
+                pieces.append(self._adapted(name, x_ND[a:b], idx_NK[a:b], w_NK[a:b]))
             at = b
         return torch.cat(pieces)
+
+    def _adapted(self, name: str, x_ND: torch.Tensor, idx_NK: torch.Tensor, w_NK: torch.Tensor) -> torch.Tensor:
+        setattr(self.inner, "lora", self.factors[name])  # noqa: B010  (what Experts.grouped reads)
+        try:
+            return self.inner(x_ND, idx_NK, w_NK)
+        finally:
+            delattr(self.inner, "lora")
 
 
 class Adapters:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kiln_kernels.widths import cast, wide_dtype
+
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -146,13 +148,13 @@ def every_expert(
         y = torch.bmm(x_ENI, W.transpose(1, 2))
         if name in lora:
             A, B = lora[name]
-            low = torch.bmm(x_ENI.to(A.dtype), A.transpose(1, 2))
-            y = torch.baddbmm(y.to(B.dtype), low, B.transpose(1, 2), alpha=scaling).to(y.dtype)
+            low = torch.bmm(cast(x_ENI, A.dtype), A.transpose(1, 2))
+            y = cast(torch.baddbmm(cast(y, B.dtype), low, B.transpose(1, 2), alpha=scaling), y.dtype)
         return y
 
     gate, up = proj("gate_up_proj", gate_up_E2ID, x_ND[None].expand(E, N, -1)).chunk(2, -1)
-    h = (act(gate, up) * w_EN1).to(gate.dtype)
-    return proj("down_proj", down_EDI, h).to(torch.promote_types(x_ND.dtype, torch.float32)).sum(0)
+    h = cast(act(gate, up) * w_EN1, gate.dtype)
+    return cast(proj("down_proj", down_EDI, h), wide_dtype(x_ND.dtype)).sum(0)
 
 
 def permute(x_ND: torch.Tensor, tok_M: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
