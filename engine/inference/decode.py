@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -25,9 +26,10 @@ from torch import nn
 from engine import device as accelerator
 from engine.data import image_tensor
 from engine.inference.adapters import Routing, routes
-from engine.inference.cache import Cache, offsets
+from engine.inference.cache import Cache
 from kiln.dataset import Example, Message, decode_data_url
 from kiln.tokenizer import ChatTemplate, Tokenizer, encode_chat
+from kiln_kernels.widths import wide
 
 
 @dataclass(frozen=True)
@@ -111,27 +113,27 @@ class Decoder:
         self.running: list[Choice] = []
         self.ends = {tpl.end[0]}
         # never drawn: the image placeholder (it stands for pixels the answer does not have)
-        self.banned = torch.tensor([t for t in (tpl.image_id,) if t is not None], dtype=torch.long)
+        self.banned = torch.tensor([t for t in (tpl.image_id,) if t is not None], dtype=torch.long, device=self.device)
 
     def _forward(self, ids: list[list[int]], slots: list[int], adapters: list[str | None], pixels) -> torch.Tensor:
         """The next tokens ``ids[d]`` of the sequences in ``slots``: the last position's logits of
         each [N, V] fp32."""
         new = [len(i) for i in ids]
         at = self.cache.begin(slots, new)
-        L = sum(new)
-        ends = offsets(new)[1:].tolist()
+        cu = list(accumulate(new, initial=0))  # the documents' offsets
+        L = cu[-1]
         # one tensor made and one copy to the device (each is a wait for the device)
-        both = torch.tensor([t for i in ids for t in i] + at + [e - 1 for e in ends]).to(self.device)
+        both = torch.tensor([t for i in ids for t in i] + at + [e - 1 for e in cu[1:]]).to(self.device)
         flat, positions, last = both[:L][None], both[L : 2 * L][None], both[2 * L :]
         # the documents stay on the host: the layers read their offsets there
         docs = torch.tensor([d for d, n in enumerate(new) for _ in range(n)])[None]
-        routing = Routing(adapters, offsets(new).tolist())
+        routing = Routing(adapters, cu)
         with accelerator.autocast(self.device, self.autocast), routes(routing):
             h = self.model.hidden(flat, pixels, docs, positions, self.cache)
         with accelerator.autocast(self.device, self.autocast):
             logits = self.model.lm_head(h[0, last])
         self.cache.advance()
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return wide(logits)
 
     @torch.inference_mode()
     def prefill(self, prompts: list[Prompt]) -> None:
@@ -176,7 +178,7 @@ class Decoder:
     def _take(self, choices: list[Choice], logits: torch.Tensor) -> None:
         """Sample each choice's next token from its row of ``logits`` and emit what it decides."""
         if len(self.banned):
-            logits = logits.index_fill(1, self.banned.to(logits.device), float("-inf"))
+            logits = logits.index_fill(1, self.banned, float("-inf"))
         for c, t in zip(choices, sample(logits, choices), strict=True):
             c.ids.append(t)
             limit = len(c.ids) >= c.prompt.sampling.max_tokens
