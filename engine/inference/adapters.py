@@ -152,12 +152,11 @@ class ServedGroup(nn.Module):
     its A's stacked ([in, sum of ranks]) and its B's block-diagonal ([sum of ranks, out]): one
     product pair an adapter. A decode step's time is the host's per op: KDA's six projections
     with one adapter on three took fifteen ops, here three. The module calls it in their place
-    (``served_group``), which gives the layers' outputs in order, views of one tensor: a long
-    prefill holds q's, k's and v's projections until the layer ends (3 x T x H*K numbers, 0.75
-    GiB a KDA layer at 32k tokens of the 48B shape in bf16), where the unfused layer freed them
-    after the convolution. The matrix is a buffer (not saved): a cast or move of the model takes
-    it along, but then the layers' weights become copies of their own and the adapters' factors
-    stay as they were: fuse and add adapters where the model serves."""
+    (``served_group``), which gives the layers' outputs in order, views of one tensor (KDA takes
+    what it needs of it before its delta rule, so that a long prefill frees it there). The
+    matrix is a buffer (not saved): a cast or move of the model takes it along, but then the
+    layers' weights become copies of their own and the adapters' factors stay as they were: fuse
+    and add adapters where the model serves."""
 
     weight: torch.Tensor
 

@@ -196,6 +196,25 @@ def test_adapters_served_side_by_side_equal_each_model_alone(models, tmp_path, n
     assert all("a1" not in h for h in held) and any("a0" in h for h in held) == (name != "kiln-tiny")
 
 
+@pytest.mark.parametrize("full_rank_gate", [False, True])
+def test_a_fused_kda_layer_equals_the_layer(full_rank_gate):
+    """KDA with its six input projections served as one (the low-rank output gate and K3's
+    full-rank one, which the fused layer copies out of the group's tensor): the same output."""
+    from engine.model.common.kda import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(32, 2, 8, full_rank_gate=full_rank_gate).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    x, cu = torch.randn(1, 12, 32, dtype=torch.float64), torch.tensor([0, 5, 12])
+    with torch.no_grad():
+        want = layer(x, cu)
+        fuse(layer)
+        assert layer.served_group is not None
+        assert float((layer(x, cu) - want).norm() / want.norm()) < 1e-12
+
+
 def test_the_server_fuses_its_model(models):
     """The Batcher serves KDA's and the MLPs' input projections as groups (kimi-linear-tiny)."""
     b = Batcher(models / "kimi-linear-tiny", device="cpu")

@@ -109,17 +109,21 @@ class KimiDeltaAttention(nn.Module):
         else:  # the three at once: a decode step convolves them as one
             assert cu_seqlens is not None  # a continuation always has its documents' offsets
             qkv = past.conv(ins, self.conv1d.weight, cu_seqlens, norms, (id(self), "conv"))
+        del ins  # a forward without grad frees the projections once convolved (training's remake keeps them)
         q, k, v = (y.view(B, T, self.H, self.K) for y in qkv)
         beta = torch.sigmoid(f32(first[4] if first is not None else self.b_proj(x_BTD)))
         # the decay made inside the kernels from the gate's raw projection (kept, not an fp32 decay)
         f_a = first[3] if first is not None else self.forget_gate.f_a_proj(x_BTD)
         raw, gate = self.forget_gate.raw(f_a), self.forget_gate.params
+        full, g = hasattr(self, "g_proj"), None
+        if first is not None:  # the six are views of one tensor: g taken out of it now, so that it
+            g = first[5].clone() if full else low_rank(self.g_b_proj, first[5])  # goes before the delta rule
+            del first, f_a
         if past is None:
             o, _ = kda_chunk(q, k, v, raw, beta, cu_seqlens=cu_seqlens, gate=gate)
         else:
             assert cu_seqlens is not None
             o = past.delta_rule(q, k, v, raw, beta, cu_seqlens, (id(self), "S"), gate)
-        full = hasattr(self, "g_proj")
-        g_in = first[5] if first is not None else (self.g_proj if full else self.g_a_proj)(x_BTD)
-        g = g_in if full else low_rank(self.g_b_proj, g_in)
+        if g is None:
+            g = self.g_proj(x_BTD) if full else low_rank(self.g_b_proj, self.g_a_proj(x_BTD))
         return self.o_proj(self.o_norm(o.to(x_BTD.dtype), g.view(B, T, self.H, self.K)).reshape(B, T, -1))
