@@ -41,13 +41,12 @@ def backend(*tensors: torch.Tensor) -> Backend:
     first = tensors[0].device.type if tensors else "cuda"  # (a CPU tensor's answer after one look)
     if first == "cuda" and all(t.is_cuda and t.dtype != torch.float64 for t in tensors):
         return "cuda"
-    if first == "npu":
-        if all(t.device.type == "npu" and t.dtype != torch.float64 for t in tensors):
-            # a grid may pass 65,535 programs (a program per row): triton-ascend then maps the
-            # programs onto the cores in a loop (launching as many as there are); our kernels'
-            # programs never wait for each other, which is what this setting asks
-            os.environ.setdefault("TRITON_ALL_BLOCKS_PARALLEL", "1")
-            return "npu"
+    if first == "npu" and all(t.device.type == "npu" and t.dtype != torch.float64 for t in tensors):
+        # a grid may pass 65,535 programs (a program per row): triton-ascend then maps the
+        # programs onto the cores in a loop (launching as many as there are); our kernels'
+        # programs never wait for each other, which is what this setting asks
+        os.environ.setdefault("TRITON_ALL_BLOCKS_PARALLEL", "1")
+        return "npu"
     return "reference"
 
 

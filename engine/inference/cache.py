@@ -120,9 +120,9 @@ class Cache:
             y, at, out = conv_step(window, weight_C1W), 0, []
             for norm, run in groupby(zip(widths, head_norms, strict=True), key=lambda p: p[1]):
                 ws = [w for w, _ in run]  # side by side with one head norm (q's and k's): normed as one
-                block = y[:, at : at + sum(ws)]
+                end = at + sum(ws)
+                block, at = y[:, at:end], end
                 out += (head_l2_norm(block, norm) if norm else block)[None].split(ws, -1)
-                at += sum(ws)
             return out
         before = torch.where(self.fresh[:, None, None], 0, before)  # zeros before a fresh one
         bounds = cu.tolist()

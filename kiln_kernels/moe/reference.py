@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kiln_kernels.widths import cast, wide_dtype
+from kiln_kernels.widths import cast, wide, wide_dtype
 
 Lora = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -165,4 +165,4 @@ def permute(x_ND: torch.Tensor, tok_M: torch.Tensor, inv_NK: torch.Tensor) -> to
 
 def unpermute(y_MD: torch.Tensor, inv_NK: torch.Tensor) -> torch.Tensor:
     """Each token's k rows (weighed already) summed, [N, D] in fp32 (or wider): sum_k y[inv[t, k]]."""
-    return y_MD[inv_NK.long()].to(torch.promote_types(y_MD.dtype, torch.float32)).sum(1)
+    return wide(y_MD[inv_NK.long()]).sum(1)
