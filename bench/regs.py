@@ -88,15 +88,15 @@ FWD = ATTN | dict(O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32")
 KERNELS |= {
     "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False)),
     "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True)),
-    "dsa dq": (
+    "dsa dq shared": (
         dsa._attn_bwd_dq,
         ATTN | GRADS | dict(DQ=BF, T="i32", NK="i32", scale="fp32", scale2="fp32"),
-        MLA | dict(E_PAD=512),
+        MLA | dict(E_PAD=512, SHARED=True),
     ),
-    "dsa dkv": (
+    "dsa dkv shared": (
         dsa._attn_bwd_dkv,
         ATTN | GRADS | dict(DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32"),
-        MLA | dict(E_PAD=512, ORDERED=False),
+        MLA | dict(E_PAD=512, ORDERED=False, SHARED=True),
     ),
     "dsa weights": (
         dsa._attn_weights,
@@ -111,7 +111,7 @@ def settings(kernel: str, tune: bool) -> list[dict]:
     name = kernel.removeprefix("dsa ").removesuffix(" shared")
     config, candidates = (dsa.CONFIG, dsa_bench.CANDIDATES) if kernel != name else (kda.CONFIG, kda_bench.CANDIDATES)
     found = [config[name]] + ([c for c in candidates.get(name, []) if c != config[name]] if tune else [])
-    if kernel.endswith(" shared"):  # the values from the key tile: one value block, E wide
+    if kernel == "dsa fwd shared":  # the values from the key tile: one value block, E wide
         wide = [{**c, "EB": 512} for c in found]
         found = [c for i, c in enumerate(wide) if c not in wide[:i]]
     return found

@@ -13,7 +13,9 @@ the indexer's top-k and without gathered copies of the keys.
   Backward: dq by the same walk; dk and dv by a program per (query, key head) that sums over all
   of the group's query heads before one fp32 atomic add per selected key (under
   ``torch.use_deterministic_algorithms``: into a slot per query and key, summed by torch's
-  deterministic ``index_add_``, in chunks of queries; slower, bit-reproducible). With
+  deterministic ``index_add_``, in chunks of queries; slower, bit-reproducible). Shared values
+  (a view of the tensor the keys are of) are read from the key tiles here too, and their
+  gradient joins the keys' in that one add. With
   ``with_weights`` a third walk writes the indexer's target (probabilities averaged over heads).
 - ``indexer_kl_loss``: a program per query recomputes its index scores on the selected keys only;
   the backward adds dk with fp32 atomics (in a fixed order when deterministic, as above).
@@ -182,6 +184,12 @@ def _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK: tl.constexpr):
 
 
 @triton.jit
+def _values(V, krow, ok, e, E: tl.constexpr):
+    """The selected rows' values [BK, len(e)], dims e of E."""
+    return tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
+
+
+@triton.jit
 def _attn_fwd(
     Q,
     Kk,
@@ -233,7 +241,7 @@ def _attn_fwd(
         if SHARED:
             v = ka
         else:
-            v = tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
+            v = _values(V, krow, ok, e, E)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     l_safe = tl.where(l > 0, l, 1.0)
@@ -312,8 +320,10 @@ def _attn_bwd_dq(
     BH: tl.constexpr,
     BK: tl.constexpr,
     PREC: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
-    """A program per (query, key head, block of BH query heads): dq, no atomics."""
+    """A program per (query, key head, block of BH query heads): dq, no atomics. ``SHARED``: as
+    the forward's, the values are the key tile's first dims."""
     t, bg, hb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
     qrow, h_ok, qa, qb, do, lse, delta = _head_block(
@@ -326,7 +336,7 @@ def _attn_bwd_dq(
     for k0 in range(0, cnt, BK):
         kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
         ka, kb = _rows(Kk, krow, ok, D, DA, DB)
-        v = tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
+        v = ka if SHARED else _values(V, krow, ok, e, E)
         p, ds = _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC)
         dqa += tl.dot(ds.to(ka.dtype), ka, input_precision=PREC)
         dqb += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
@@ -369,11 +379,14 @@ def _attn_bwd_dkv(
     BK: tl.constexpr,
     PREC: tl.constexpr,
     ORDERED: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     """A program per (query, key head): dk and dv of each selected key summed over the group's
     query heads in registers, then one fp32 atomic add per key. ``ORDERED``: the queries
     [t0, t0 + TC) only, each writing its share to its own slot of DK [B, TC, G, NK, D] and
-    DV [.., E] instead, for a sum in a fixed order afterwards."""
+    DV [.., E] instead, for a sum in a fixed order afterwards. ``SHARED`` (the values are the
+    keys' first E = DA dims): values from the key tile, and dv added into dk's first dims, one
+    add per key and nothing into DV."""
     t, bg = t0 + tl.program_id(0), tl.program_id(1)
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
@@ -384,7 +397,7 @@ def _attn_bwd_dkv(
     for k0 in range(0, cnt, BK):
         kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
         ka, kb = _rows(Kk, krow, ok, D, DA, DB)
-        v = tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
+        v = ka if SHARED else _values(V, krow, ok, e, E)
         dka = tl.zeros([BK, DA], tl.float32)
         dkb = tl.zeros([BK, DB], tl.float32)
         dv = tl.zeros([BK, E_PAD], tl.float32)
@@ -396,17 +409,24 @@ def _attn_bwd_dkv(
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
             dka += tl.dot(tl.trans(ds.to(qa.dtype)), qa, input_precision=PREC)
             dkb += tl.dot(tl.trans(ds.to(qb.dtype)), qb, input_precision=PREC)
+        dka *= scale
+        if SHARED:
+            dka += dv
         if ORDERED:
             slot = ((b * TC + t - t0) * G + g).to(tl.int64) * NK + kk
-            tl.store(DK + slot[:, None] * D + da[None, :], dka * scale, mask=ok[:, None])
+            tl.store(DK + slot[:, None] * D + da[None, :], dka, mask=ok[:, None])
             tl.store(DK + slot[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D))
-            tl.store(DV + slot[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E))
+            if not SHARED:
+                tl.store(DV + slot[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E))
         else:
-            tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka * scale, mask=ok[:, None], sem="relaxed")
+            tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka, mask=ok[:, None], sem="relaxed")
             tl.atomic_add(
                 DK + krow[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D), sem="relaxed"
             )
-            tl.atomic_add(DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E), sem="relaxed")
+            if not SHARED:
+                tl.atomic_add(
+                    DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E), sem="relaxed"
+                )
 
 
 @triton.jit
@@ -500,6 +520,10 @@ def shared_values(k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
+def _root(x: torch.Tensor) -> torch.Tensor:
+    return x if x._base is None else x._base
+
+
 def _attn_meta(q, k, v):
     B, T, H, D = q.shape
     G, E = k.shape[2], v.shape[-1]
@@ -542,7 +566,10 @@ class _SparseAttention(torch.autograd.Function):
             return o, lse, p
 
         o, lse, p = kept("sparse_attention", run)
-        ctx.save_for_backward(q, k, v, idx, cnt, o, lse)
+        # the backward reads the values from the key tiles too and adds their gradient into the
+        # keys' where autograd will: v a view of the tensor k is of (not a detached alias)
+        ctx.shared = shared and _root(v) is _root(k)
+        ctx.save_for_backward(q, k, None if ctx.shared else v, idx, cnt, o, lse)
         ctx.scale = scale
         if p is not None:
             ctx.mark_non_differentiable(p)
@@ -551,15 +578,16 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dp):
         q, k, v, idx, cnt, o, lse = ctx.saved_tensors
-        v = v.contiguous()  # a view of k's first dims where the forward shared them
+        shared = ctx.shared
+        v = k[..., : _split(k.shape[-1])[0]] if shared else v.contiguous()
         meta, (B, T, H, G, E) = _attn_meta(q, k, v)
-        meta["E_PAD"] = _pow2(E)
+        meta.update(E_PAD=_pow2(E), SHARED=shared)
         NK = idx.shape[-1]
         do = do.contiguous()
         delta = (do.float() * o.float()).sum(-1)
         dq = torch.empty_like(q)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        dv = None if shared else torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         scale, scale2 = ctx.scale, ctx.scale * math.log2(math.e)
         cfg = _bh(CONFIG["dq"], H // G, q)
         _attn_bwd_dq[(T, B * G, triton.cdiv(H // G, cfg["BH"]))](
@@ -577,7 +605,8 @@ class _SparseAttention(torch.autograd.Function):
                 do,
                 lse,
                 delta,
-                *targets,
+                targets[0],
+                targets[-1],  # DV: unused where shared
                 T,
                 NK,
                 scale,
@@ -589,8 +618,9 @@ class _SparseAttention(torch.autograd.Function):
                 ORDERED=ordered,
             )
 
-        _key_grads(dkv, idx, G, [dk, dv])
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        _key_grads(dkv, idx, G, [dk] if shared else [dk, dv])
+        # shared: v's gradient is in dk (v a view of k, autograd adds nothing more for it)
+        return dq, dk.to(k.dtype), None if dv is None else dv.to(v.dtype), None, None, None
 
 
 def sparse_attention(

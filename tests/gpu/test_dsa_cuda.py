@@ -174,13 +174,15 @@ def test_indexer_loss_matches_the_reference(B, T, J, DH, topk, packed, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize(
     "B,T,H,G,D,E,topk", [(2, 40, 4, 2, 24, 16, 8), pytest.param(1, 1500, 16, 1, 576, 512, 512, marks=gpu_only)]
 )
-def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, monkeypatch):
+def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, shared, dtype, monkeypatch):
     """Under torch.use_deterministic_algorithms the keys' gradients (attention and indexer loss) are
     summed in a fixed order, in several chunks of queries here: two runs are bit-equal and as close
-    to float64 as the atomic sums are (Swap Core's exactness on the GPU is checked this way)."""
+    to float64 as the atomic sums are (Swap Core's exactness on the GPU is checked this way).
+    ``shared``: the values a view of the keys' first dims, their gradient in the keys' slots."""
     from kiln_kernels.dsa import triton as K
 
     monkeypatch.setattr(K, "ORDERED_BYTES", 4 * B * min(T, topk) * 16 * (T // 3))  # chunks: the loss's 3-4, more
@@ -193,9 +195,10 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, m
 
     def grads():
         xs = [x.detach().clone().requires_grad_() for x in (q, k, v, iq, ik, iw)]
-        o, p = K.sparse_attention(*xs[:3], idx, D**-0.5, with_weights=True)
+        values = xs[1][..., :E] if shared else xs[2]
+        o, p = K.sparse_attention(xs[0], xs[1], values, idx, D**-0.5, with_weights=True)
         ((o.float() * do.float()).sum() + K.indexer_kl_loss(*xs[3:], idx, p)).backward()
-        return [x.grad for x in xs]
+        return [x.grad for x in xs if x.grad is not None]
 
     torch.use_deterministic_algorithms(True)
     try:
@@ -204,10 +207,32 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, dtype, m
         torch.use_deterministic_algorithms(False)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v, iq, ik, iw)]
-    o64, p64 = R.sparse_attention(*x64[:3], idx, D**-0.5, with_weights=True)
+    values64 = x64[1][..., :E] if shared else x64[2]
+    o64, p64 = R.sparse_attention(x64[0], x64[1], values64, idx, D**-0.5, with_weights=True)
     ((o64 * do.double()).sum() + R.indexer_kl_loss(*x64[3:], idx, p64)).backward()
-    for got, x in zip(first, x64, strict=True):
-        assert rel(got, x.grad) < TOL[dtype]
+    want = [x.grad for x in x64 if x.grad is not None]
+    assert len(first) == len(want) == (5 if shared else 6)
+    for got, w in zip(first, want, strict=True):
+        assert rel(got, w) < TOL[dtype]
+
+
+def test_values_aliasing_the_keys_apart_from_their_graph_get_their_own_gradient():
+    """Values that share the keys' memory but are a leaf of their own (a detached alias): the
+    forward may read them from the key tiles, the backward gives each its own gradient."""
+    from kiln_kernels.dsa.triton import indexer_topk, shared_values, sparse_attention
+
+    B, T, H, D, E = 1, 40, 4, 24, 16
+    idx = indexer_topk(*indexer_inputs(B, T, 4, 16, torch.float32, seed=5), starts(B, T, False), 8)
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    q = torch.randn(B, T, H, D, device=DEVICE, generator=g).requires_grad_()
+    k = torch.randn(B, T, 1, D, device=DEVICE, generator=g).requires_grad_()
+    v = k.detach()[..., :E].requires_grad_()
+    assert shared_values(k, v)
+    do = torch.randn(B, T, H, E, device=DEVICE, generator=g)
+    sparse_attention(q, k, v, idx, D**-0.5).backward(do)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    R.sparse_attention(q64, k64, v64, idx, D**-0.5).backward(do.double())
+    assert rel(k.grad, k64.grad) < TOL[torch.float32] and rel(v.grad, v64.grad) < TOL[torch.float32]
 
 
 def test_topk_at_least_the_length_is_dense_causal_attention():
