@@ -88,14 +88,14 @@ FWD = ATTN | dict(O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32")
 KERNELS |= {
     "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False)),
     "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True)),
-    "dsa dq shared": (
-        dsa._attn_bwd_dq,
-        ATTN | GRADS | dict(DQ=BF, T="i32", NK="i32", scale="fp32", scale2="fp32"),
-        MLA | dict(E_PAD=512, SHARED=True),
+    "dsa bwd": (
+        dsa._attn_bwd,
+        ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32"),
+        MLA | dict(E_PAD=512, ORDERED=False, SHARED=False),
     ),
-    "dsa dkv shared": (
-        dsa._attn_bwd_dkv,
-        ATTN | GRADS | dict(DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32"),
+    "dsa bwd shared": (
+        dsa._attn_bwd,
+        ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32"),
         MLA | dict(E_PAD=512, ORDERED=False, SHARED=True),
     ),
     "dsa weights": (

@@ -10,13 +10,15 @@ the indexer's top-k and without gathered copies of the keys.
   (query, key head, block of its query heads), online softmax over blocks of gathered keys; where
   the values are a view of the keys' first dims (MLA's absorbed latent, ``shared_values``), they
   come from the key tile already loaded.
-  Backward: dq by the same walk; dk and dv by a program per (query, key head) that sums over all
-  of the group's query heads before one fp32 atomic add per selected key (under
-  ``torch.use_deterministic_algorithms``: into a slot per query and key, summed by torch's
-  deterministic ``index_add_``, in chunks of queries; slower, bit-reproducible). Shared values
-  (a view of the tensor the keys are of) are read from the key tiles here too, and their
+  Backward: one walk per (query, key head, block of query heads) that computes a key block's
+  probabilities and score gradients once for both dq (summed in registers) and the keys' and
+  values' shares, summed over the block's heads before one fp32 atomic add per selected key (the
+  group's 64 heads in one block: one add per key and query; under
+  ``torch.use_deterministic_algorithms``: into a slot per query, head block and key, summed by
+  torch's deterministic ``index_add_``, in chunks of queries; slower, bit-reproducible). Shared
+  values (a view of the tensor the keys are of) are read from the key tiles here too, and their
   gradient joins the keys' in that one add. With
-  ``with_weights`` a third walk writes the indexer's target (probabilities averaged over heads).
+  ``with_weights`` a second forward walk writes the indexer's target (probabilities averaged over heads).
 - ``indexer_kl_loss``: a program per query recomputes its index scores on the selected keys only;
   the backward adds dk with fp32 atomics (in a fixed order when deterministic, as above).
 
@@ -296,7 +298,7 @@ def _head_block(
 
 
 @triton.jit
-def _attn_bwd_dq(
+def _attn_bwd(
     Q,
     Kk,
     V,
@@ -306,60 +308,6 @@ def _attn_bwd_dq(
     LSE,
     DELTA,
     DQ,
-    T,
-    NK,
-    scale,
-    scale2,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    DA: tl.constexpr,
-    DB: tl.constexpr,
-    E: tl.constexpr,
-    E_PAD: tl.constexpr,
-    BH: tl.constexpr,
-    BK: tl.constexpr,
-    PREC: tl.constexpr,
-    SHARED: tl.constexpr,
-):
-    """A program per (query, key head, block of BH query heads): dq, no atomics. ``SHARED``: as
-    the forward's, the values are the key tile's first dims."""
-    t, bg, hb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, g = bg // G, bg % G
-    qrow, h_ok, qa, qb, do, lse, delta = _head_block(
-        Q, DO, LSE, DELTA, b, t, T, g, hb * BH, H, G, D, DA, DB, E, E_PAD, BH
-    )
-    e = tl.arange(0, E_PAD)
-    dqa = tl.zeros([BH, DA], tl.float32)
-    dqb = tl.zeros([BH, DB], tl.float32)
-    cnt = tl.load(CNT + b * T + t)
-    for k0 in range(0, cnt, BK):
-        kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
-        ka, kb = _rows(Kk, krow, ok, D, DA, DB)
-        v = ka if SHARED else _values(V, krow, ok, e, E)
-        p, ds = _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC)
-        dqa += tl.dot(ds.to(ka.dtype), ka, input_precision=PREC)
-        dqb += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
-    da = tl.arange(0, DA)
-    db = DA + tl.arange(0, DB)
-    tl.store(DQ + qrow[:, None] * D + da[None, :], (dqa * scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
-    tl.store(
-        DQ + qrow[:, None] * D + db[None, :],
-        (dqb * scale).to(DQ.dtype.element_ty),
-        mask=h_ok[:, None] & (db[None, :] < D),
-    )
-
-
-@triton.jit
-def _attn_bwd_dkv(
-    Q,
-    Kk,
-    V,
-    IDX,
-    CNT,
-    DO,
-    LSE,
-    DELTA,
     DK,
     DV,
     T,
@@ -381,52 +329,61 @@ def _attn_bwd_dkv(
     ORDERED: tl.constexpr,
     SHARED: tl.constexpr,
 ):
-    """A program per (query, key head): dk and dv of each selected key summed over the group's
-    query heads in registers, then one fp32 atomic add per key. ``ORDERED``: the queries
-    [t0, t0 + TC) only, each writing its share to its own slot of DK [B, TC, G, NK, D] and
+    """A program per (query, key head, block of BH query heads), queries [t0, t0 + TC): the
+    probabilities and score gradients of a block of keys computed once for dq (summed in
+    registers, no atomics) and for the keys' and values' shares (summed over the block's heads,
+    then one fp32 atomic add per key; with the whole group in one block, one add per key and
+    query). ``ORDERED``: each share written to its own slot of DK [B, TC, G, NHB, NK, D] and
     DV [.., E] instead, for a sum in a fixed order afterwards. ``SHARED`` (the values are the
-    keys' first E = DA dims): values from the key tile, and dv added into dk's first dims, one
-    add per key and nothing into DV."""
-    t, bg = t0 + tl.program_id(0), tl.program_id(1)
+    keys' first E = DA dims): values from the key tile, and dv added into dk's first dims, nothing
+    into DV."""
+    t, bg, hb = t0 + tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
+    NHB: tl.constexpr = (HG + BH - 1) // BH
+    qrow, h_ok, qa, qb, do, lse, delta = _head_block(
+        Q, DO, LSE, DELTA, b, t, T, g, hb * BH, H, G, D, DA, DB, E, E_PAD, BH
+    )
     da = tl.arange(0, DA)
     db = DA + tl.arange(0, DB)
     e = tl.arange(0, E_PAD)
+    dqa = tl.zeros([BH, DA], tl.float32)
+    dqb = tl.zeros([BH, DB], tl.float32)
     cnt = tl.load(CNT + b * T + t)
     for k0 in range(0, cnt, BK):
         kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
         ka, kb = _rows(Kk, krow, ok, D, DA, DB)
         v = ka if SHARED else _values(V, krow, ok, e, E)
-        dka = tl.zeros([BK, DA], tl.float32)
-        dkb = tl.zeros([BK, DB], tl.float32)
-        dv = tl.zeros([BK, E_PAD], tl.float32)
-        for h0 in range(0, HG, BH):
-            qrow, h_ok, qa, qb, do, lse, delta = _head_block(
-                Q, DO, LSE, DELTA, b, t, T, g, h0, H, G, D, DA, DB, E, E_PAD, BH
-            )
-            p, ds = _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-            dka += tl.dot(tl.trans(ds.to(qa.dtype)), qa, input_precision=PREC)
-            dkb += tl.dot(tl.trans(ds.to(qb.dtype)), qb, input_precision=PREC)
-        dka *= scale
+        p, ds = _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC)
+        dsc = ds.to(ka.dtype)
+        dqa += tl.dot(dsc, ka, input_precision=PREC)
+        dqb += tl.dot(dsc, kb, input_precision=PREC)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+        dka = tl.dot(tl.trans(dsc), qa, input_precision=PREC) * scale
+        dkb = tl.dot(tl.trans(dsc), qb, input_precision=PREC) * scale
         if SHARED:
             dka += dv
         if ORDERED:
-            slot = ((b * TC + t - t0) * G + g).to(tl.int64) * NK + kk
+            slot = (((b * TC + t - t0) * G + g) * NHB + hb).to(tl.int64) * NK + kk
             tl.store(DK + slot[:, None] * D + da[None, :], dka, mask=ok[:, None])
-            tl.store(DK + slot[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D))
+            tl.store(DK + slot[:, None] * D + db[None, :], dkb, mask=ok[:, None] & (db[None, :] < D))
             if not SHARED:
                 tl.store(DV + slot[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E))
         else:
             tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka, mask=ok[:, None], sem="relaxed")
             tl.atomic_add(
-                DK + krow[:, None] * D + db[None, :], dkb * scale, mask=ok[:, None] & (db[None, :] < D), sem="relaxed"
+                DK + krow[:, None] * D + db[None, :], dkb, mask=ok[:, None] & (db[None, :] < D), sem="relaxed"
             )
             if not SHARED:
                 tl.atomic_add(
                     DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E), sem="relaxed"
                 )
+    tl.store(DQ + qrow[:, None] * D + da[None, :], (dqa * scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(
+        DQ + qrow[:, None] * D + db[None, :],
+        (dqb * scale).to(DQ.dtype.element_ty),
+        mask=h_ok[:, None] & (db[None, :] < D),
+    )
 
 
 @triton.jit
@@ -473,8 +430,7 @@ def _attn_weights(
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
 CONFIG = {
     "fwd": dict(BH=16, EB=512, BK=32, num_warps=4),
-    "dq": dict(BH=16, BK=32, num_warps=4),
-    "dkv": dict(BH=32, BK=32, num_warps=8),
+    "bwd": dict(BH=64, BK=16, num_warps=8),
     "weights": dict(BH=16, BK=32, num_warps=4),
 }
 
@@ -482,26 +438,27 @@ CONFIG = {
 ORDERED_BYTES = 2**29  # the buffers of one chunk of a deterministic backward
 
 
-def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor]) -> None:
+def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor], blocks: int = 1) -> None:
     """Run a backward kernel that adds each query's shares into its selected keys' rows of
     ``outs`` (fp32, [B, T, G, width] or [B, T, width] for G = 1): ``launch(t0, queries, targets,
     ordered)``. By fp32 atomics, at once; under ``torch.use_deterministic_algorithms`` (where the
-    atomics would make every run differ) in chunks of queries, each query writing a slot per key
-    into zeroed buffers [B, queries, G, NK, width] (at most ``ORDERED_BYTES`` at once) that torch's
-    deterministic ``index_add_`` then sums. A slot past a query's count stays zero and adds to
-    row 0."""
+    atomics would make every run differ) in chunks of queries, each query (and each of its
+    ``blocks`` of heads) writing a slot per key into zeroed buffers [B, queries, G, blocks, NK,
+    width] (at most ``ORDERED_BYTES`` at once) that torch's deterministic ``index_add_`` then
+    sums. A slot past a query's count stays zero and adds to row 0."""
     B, T, NK = idx_BTK.shape
     if not torch.are_deterministic_algorithms_enabled():
         launch(0, T, outs, False)
         return
     widths = [o.shape[-1] for o in outs]
-    tc = max(1, min(T, ORDERED_BYTES // (4 * B * G * NK * sum(widths))))
-    b = torch.arange(B, device=idx_BTK.device)[:, None, None, None]
-    g = torch.arange(G, device=idx_BTK.device)[None, None, :, None]
+    tc = max(1, min(T, ORDERED_BYTES // (4 * B * G * blocks * NK * sum(widths))))
+    b = torch.arange(B, device=idx_BTK.device)[:, None, None, None, None]
+    g = torch.arange(G, device=idx_BTK.device)[None, None, :, None, None]
     for t0 in range(0, T, tc):
         n = min(tc, T - t0)
-        rows = ((b * T + idx_BTK[:, t0 : t0 + n, None, :].clamp(min=0).long()) * G + g).reshape(-1)
-        bufs = [torch.zeros(B, n, G, NK, w, device=idx_BTK.device) for w in widths]
+        keys = idx_BTK[:, t0 : t0 + n, None, None, :].clamp(min=0).long()
+        rows = ((b * T + keys) * G + g).expand(B, n, G, blocks, NK).reshape(-1)
+        bufs = [torch.zeros(B, n, G, blocks, NK, w, device=idx_BTK.device) for w in widths]
         launch(t0, n, bufs, True)
         for out, buf, w in zip(outs, bufs, widths, strict=True):
             out.view(-1, w).index_add_(0, rows, buf.view(-1, w))
@@ -589,14 +546,11 @@ class _SparseAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = None if shared else torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         scale, scale2 = ctx.scale, ctx.scale * math.log2(math.e)
-        cfg = _bh(CONFIG["dq"], H // G, q)
-        _attn_bwd_dq[(T, B * G, triton.cdiv(H // G, cfg["BH"]))](
-            q, k, v, idx, cnt, do, lse, delta, dq, T, NK, scale, scale2, **meta, **cfg
-        )
-        cfg = _bh(CONFIG["dkv"], H // G, q)
+        cfg = _bh(CONFIG["bwd"], H // G, q)
+        blocks = triton.cdiv(H // G, cfg["BH"])
 
-        def dkv(t0, tc, targets, ordered):
-            _attn_bwd_dkv[(tc, B * G)](
+        def bwd(t0, tc, targets, ordered):
+            _attn_bwd[(tc, B * G, blocks)](
                 q,
                 k,
                 v,
@@ -605,6 +559,7 @@ class _SparseAttention(torch.autograd.Function):
                 do,
                 lse,
                 delta,
+                dq,
                 targets[0],
                 targets[-1],  # DV: unused where shared
                 T,
@@ -618,7 +573,7 @@ class _SparseAttention(torch.autograd.Function):
                 ORDERED=ordered,
             )
 
-        _key_grads(dkv, idx, G, [dk] if shared else [dk, dv])
+        _key_grads(bwd, idx, G, [dk] if shared else [dk, dv], blocks)
         # shared: v's gradient is in dk (v a view of k, autograd adds nothing more for it)
         return dq, dk.to(k.dtype), None if dv is None else dv.to(v.dtype), None, None, None
 
@@ -753,7 +708,7 @@ def _kl_bwd(
     ORDERED: tl.constexpr,
 ):
     """A program per query; its dk shares by fp32 atomics, or (``ORDERED``, queries [t0, t0 + TC))
-    into its own slots of DK [B, TC, NK, DH] as _attn_bwd_dkv does."""
+    into its own slots of DK [B, TC, NK, DH] as _attn_bwd does."""
     t, b = t0 + tl.program_id(0), tl.program_id(1)
     cnt = tl.load(CNT + b * T + t)
     lse = tl.load(LSE + b * T + t)

@@ -30,6 +30,7 @@ ATTN = [
     (1, 37, 4, 1, 24, 16, 8, False),
     (2, 70, 4, 4, 24, 16, 8, True),
     (1, 50, 32, 2, 80, 64, 64, False),
+    (1, 30, 48, 1, 24, 16, 8, True),  # heads in two blocks, the second part padding
     pytest.param(1, 1500, 16, 1, 576, 512, 512, False, marks=gpu_only),
     pytest.param(2, 700, 8, 8, 192, 128, 256, True, marks=gpu_only),
     pytest.param(1, 300, 128, 1, 576, 512, 2048, False, marks=gpu_only),
@@ -176,7 +177,8 @@ def test_indexer_loss_matches_the_reference(B, T, J, DH, topk, packed, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize(
-    "B,T,H,G,D,E,topk", [(2, 40, 4, 2, 24, 16, 8), pytest.param(1, 1500, 16, 1, 576, 512, 512, marks=gpu_only)]
+    "B,T,H,G,D,E,topk",
+    [(2, 40, 4, 2, 24, 16, 8), (1, 30, 48, 1, 24, 16, 8), pytest.param(1, 1500, 16, 1, 576, 512, 512, marks=gpu_only)],
 )
 def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, shared, dtype, monkeypatch):
     """Under torch.use_deterministic_algorithms the keys' gradients (attention and indexer loss) are
