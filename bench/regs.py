@@ -84,10 +84,10 @@ KERNELS = {
 MLA = dict(H=64, G=1, D=576, DA=512, DB=64, E=512, PREC="tf32")
 ATTN = dict(Q=BF, Kk=BF, V=BF, IDX=I32, CNT=I32)
 GRADS = dict(DO=BF, LSE=F32, DELTA=F32)
-FWD = ATTN | dict(O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32")
+FWD = ATTN | dict(O=BF, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32")
 KERNELS |= {
-    "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False)),
-    "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True)),
+    "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False, WEIGHTS=False)),
+    "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True, WEIGHTS=True)),  # the model's: the target inside
     "dsa bwd": (
         dsa._attn_bwd,
         ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32"),

@@ -18,7 +18,8 @@ the indexer's top-k and without gathered copies of the keys.
   torch's deterministic ``index_add_``, in chunks of queries; slower, bit-reproducible). Shared
   values (a view of the tensor the keys are of) are read from the key tiles here too, and their
   gradient joins the keys' in that one add. With
-  ``with_weights`` a second forward walk writes the indexer's target (probabilities averaged over heads).
+  ``with_weights`` a second walk writes the indexer's target (probabilities averaged over heads),
+  in the forward's program where it holds all of a query's heads.
 - ``indexer_kl_loss``: a program per query recomputes its index scores on the selected keys only;
   the backward adds dk with fp32 atomics (in a fixed order when deterministic, as above).
 
@@ -200,6 +201,7 @@ def _attn_fwd(
     CNT,
     O,
     LSE,
+    P,
     T,
     NK,
     scale2,
@@ -214,10 +216,14 @@ def _attn_fwd(
     BK: tl.constexpr,
     PREC: tl.constexpr,
     SHARED: tl.constexpr,
+    WEIGHTS: tl.constexpr,
 ):
     """A program per (query, key head, block of BH query heads x EB value dims). ``SHARED``: the
     values are the keys' first E = DA dims (MLA's absorbed form, the latent both), taken from
-    the key tile already loaded (EB = E): a selected row is read once, not twice."""
+    the key tile already loaded (EB = E): a selected row is read once, not twice. ``WEIGHTS``
+    (one program holds all of a query's heads and value dims: G = 1, BH >= H, EB >= E): a second
+    walk over the keys writes the indexer's target into P, the probabilities averaged over the
+    heads, with the queries still in hand (``_attn_weights`` otherwise)."""
     t, bg, he = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
@@ -252,8 +258,17 @@ def _attn_fwd(
         (acc / l_safe[:, None]).to(O.dtype.element_ty),
         mask=h_ok[:, None] & (e[None, :] < E),
     )
+    lse = m + tl.log2(l_safe)
     if he % NE == 0:
-        tl.store(LSE + qrow, m + tl.log2(l_safe), mask=h_ok)
+        tl.store(LSE + qrow, lse, mask=h_ok)
+    if WEIGHTS:
+        lse = tl.where(h_ok, lse, float("inf"))  # p = 0 on padding heads
+        for k0 in range(0, cnt, BK):
+            kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
+            ka, kb = _rows(Kk, krow, ok, D, DA, DB)
+            s = tl.dot(qa, tl.trans(ka), input_precision=PREC) + tl.dot(qb, tl.trans(kb), input_precision=PREC)
+            p = tl.where(ok[None, :], tl.exp2(s * scale2 - lse[:, None]), 0.0)
+            tl.store(P + (b * T + t).to(tl.int64) * NK + kk, tl.sum(p, 0) / H, mask=ok)
 
 
 @triton.jit
@@ -429,7 +444,7 @@ def _attn_weights(
 
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
 CONFIG = {
-    "fwd": dict(BH=16, EB=512, BK=32, num_warps=4),
+    "fwd": dict(BH=64, EB=512, BK=32, num_warps=8),
     "bwd": dict(BH=64, BK=16, num_warps=8),
     "weights": dict(BH=16, BK=32, num_warps=4),
 }
@@ -514,12 +529,15 @@ class _SparseAttention(torch.autograd.Function):
             cfg = _bh(CONFIG["fwd"], H // G, q)
             cfg["EB"] = E if shared else min(cfg["EB"], _pow2(E))
             blocks = triton.cdiv(H // G, cfg["BH"]) * triton.cdiv(E, cfg["EB"])
-            _attn_fwd[(T, B * G, blocks)](q, k, v, idx, cnt, o, lse, T, NK, scale2, **meta, **cfg, SHARED=shared)
-            if not with_weights:
-                return o, lse, None
-            p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device)
-            meta_w = {n: meta[n] for n in ("H", "G", "D", "DA", "DB", "PREC")}
-            _attn_weights[(T, B)](q, k, idx, cnt, lse, p, T, NK, scale2, **meta_w, **_bh(CONFIG["weights"], H // G, q))
+            p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device) if with_weights else None
+            inside = with_weights and G == 1 and blocks == 1  # the target in the same walk's program
+            _attn_fwd[(T, B * G, blocks)](
+                q, k, v, idx, cnt, o, lse, p, T, NK, scale2, **meta, **cfg, SHARED=shared, WEIGHTS=inside
+            )
+            if with_weights and not inside:
+                meta_w = {n: meta[n] for n in ("H", "G", "D", "DA", "DB", "PREC")}
+                cfg_w = _bh(CONFIG["weights"], H // G, q)
+                _attn_weights[(T, B)](q, k, idx, cnt, lse, p, T, NK, scale2, **meta_w, **cfg_w)
             return o, lse, p
 
         o, lse, p = kept("sparse_attention", run)

@@ -238,6 +238,8 @@ def cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
         _backward(out)
         (kv,) = _grad(r(B, T, 1, D))  # the model's form: the values a view of the keys' first E dims
         _backward(dsa.sparse_attention(qa, kv, kv[..., :E], idx, D**-0.5, with_weights=True))
+        kg, vg = _grad(r(B, T, 2, D), r(B, T, 2, E))  # two key heads: the target in a walk of its own
+        _backward(dsa.sparse_attention(qa, kg, vg, idx, D**-0.5, with_weights=True))
         qi, ki, wi = _grad(q.clone(), k.clone(), w.clone())
         p = torch.softmax(torch.randn(B, T, idx.shape[-1]), -1)
         _backward(dsa.indexer_kl_loss(qi, ki, wi, idx, p))
