@@ -50,12 +50,11 @@ CANDIDATES = {
         dict(BH=64, EB=512, BK=16, num_warps=8),
     ],
     "bwd": [
-        dict(BH=64, BK=16, num_warps=8),
-        dict(BH=64, BK=32, num_warps=8),
-        dict(BH=64, BK=16, num_warps=4),
         dict(BH=32, BK=32, num_warps=8),
-        dict(BH=32, BK=16, num_warps=4),
+        dict(BH=32, BK=16, num_warps=8),
+        dict(BH=32, BK=32, num_warps=4),
         dict(BH=16, BK=32, num_warps=4),
+        dict(BH=16, BK=64, num_warps=8),
     ],
     "weights": [dict(BH=16, BK=32, num_warps=4), dict(BH=64, BK=32, num_warps=8), dict(BH=32, BK=64, num_warps=8)],
 }

@@ -1,4 +1,4 @@
-"""Registers and spills of KDA's and DSA's kernels on the H200 (sm_90a), compiled offline: Triton to
+"""Registers, spills and shared memory of KDA's and DSA's kernels on the H200 (sm_90a), compiled offline: Triton to
 PTX on this machine, then ptxas -v (the one in Triton's wheel). No GPU needed: a kernel that
 spills in a sequential loop is found before a device is lent.
 
@@ -8,8 +8,9 @@ spills in a sequential loop is found before a device is lent.
 Shapes: Kimi Linear's KDA head (K = V = 128) and the hybrid's absorbed MLA for DSA (64 heads, q/k
 576, v 512), bf16 inputs, tf32 products where the kernels take them;
 the arguments carry the launcher's alignment hints (``aligned``). Prints a line per kernel and
-setting: registers a thread, spill stores and loads (bytes), and the asynchronous copies
-(cp.async: loads the software pipeline issues ahead of their use) in the kernel's TTGIR.
+setting: registers a thread, spill stores and loads (bytes), the asynchronous copies
+(cp.async: loads the software pipeline issues ahead of their use) in the kernel's TTGIR, whether
+its products run on wgmma, and the shared memory a block takes (over 227 KB it cannot launch).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kiln_kernels.kda import chunk_bwd, chunk_fwd
 from kiln_kernels.kda import triton as kda
 
 TARGET = GPUTarget("cuda", 90, 32)
+SMEM = 232448  # shared memory a block may have on the H100 and H200 (227 KB)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 BF, F32, I32 = "*bf16", "*fp32", "*i32"
 GEMM = dict(DT=tl.bfloat16, PREC="tf32")
@@ -146,11 +148,14 @@ def usage(kernel: str, launch: dict) -> str:
     ttgir = compiled.asm["ttgir"]
     regs = re.search(r"Used (\d+) registers", text)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    smem = compiled.metadata.shared
     return (
         f"{regs.group(1) if regs else '?'} registers, "
         + (f"spills {spills.group(1)} B stored, {spills.group(2)} B loaded" if spills else "no spill line")
         + f", {ttgir.count('async_copy_global_to_local')} async copies"
         + (", wgmma" if "warp_group_dot" in ttgir else "")
+        + f", {smem // 1024} KB shared"
+        + (" (over the 227 KB a block may have: fails at launch)" if smem > SMEM else "")
     )
 
 

@@ -12,8 +12,8 @@ the indexer's top-k and without gathered copies of the keys.
   come from the key tile already loaded.
   Backward: one walk per (query, key head, block of query heads) that computes a key block's
   probabilities and score gradients once for both dq (summed in registers) and the keys' and
-  values' shares, summed over the block's heads before one fp32 atomic add per selected key (the
-  group's 64 heads in one block: one add per key and query; under
+  values' shares, summed over the block's heads before one fp32 atomic add per selected key and
+  head block (32 heads a block: 64 would need more shared memory than a block may have; under
   ``torch.use_deterministic_algorithms``: into a slot per query, head block and key, summed by
   torch's deterministic ``index_add_``, in chunks of queries; slower, bit-reproducible). Shared
   values (a view of the tensor the keys are of) are read from the key tiles here too, and their
@@ -347,9 +347,9 @@ def _attn_bwd(
     """A program per (query, key head, block of BH query heads), queries [t0, t0 + TC): the
     probabilities and score gradients of a block of keys computed once for dq (summed in
     registers, no atomics) and for the keys' and values' shares (summed over the block's heads,
-    then one fp32 atomic add per key; with the whole group in one block, one add per key and
-    query). ``ORDERED``: each share written to its own slot of DK [B, TC, G, NHB, NK, D] and
-    DV [.., E] instead, for a sum in a fixed order afterwards. ``SHARED`` (the values are the
+    then one fp32 atomic add per key and head block). ``ORDERED``: each share written to its own
+    slot of DK [B, TC, G, NHB, NK, D] and DV [.., E] instead, for a sum in a fixed order
+    afterwards. ``SHARED`` (the values are the
     keys' first E = DA dims): values from the key tile, and dv added into dk's first dims, nothing
     into DV."""
     t, bg, hb = t0 + tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -445,7 +445,7 @@ def _attn_weights(
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
 CONFIG = {
     "fwd": dict(BH=64, EB=512, BK=32, num_warps=8),
-    "bwd": dict(BH=64, BK=16, num_warps=8),
+    "bwd": dict(BH=32, BK=32, num_warps=8),  # 64 heads: 311-385 KB of shared memory (bench.regs)
     "weights": dict(BH=16, BK=32, num_warps=4),
 }
 
