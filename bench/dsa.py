@@ -14,6 +14,10 @@ DSA layer (``dsa_ms``: top-k, attention forward + backward, loss) against dense 
 forward + backward in MLA's plain form (H heads of qk 192, v 128) at the same T, ``dense_ms``.
 Median of 3 timed calls after 1 (the backward: its forward untimed before each call). The gather
 path of earlier sessions (PyTorch's small ops) is in bench/RESULTS.md's history, not timed here.
+``--previous FILE`` (an earlier copy of kiln_kernels/dsa/triton.py, e.g. ``git show
+REV:kiln_kernels/dsa/triton.py > /tmp/prev.py``): its attention forward and backward timed in the
+same run at each T, ``prev_fwd_ms`` / ``prev_bwd_ms``, and the largest difference of its output and
+gradients from today's (``prev_rel``: relative, the worst of o, dq, dkv).
 Writes bench/results/dsa.json: ``{"rows": [{"T", "fwd_tflops", "bwd_tflops", "topk_ms", "dsa_ms",
 "dense_ms", ...}], "device", "date", ...}``.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import statistics
 from pathlib import Path
@@ -104,9 +109,41 @@ def backward_ms(forward, grad: torch.Tensor, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def measure(a, T: int) -> dict:
+def load_previous(path: Path | None):
+    """An earlier copy of the DSA kernels' module, imported from its file (None: none)."""
+    if path is None:
+        return None
+    spec = importlib.util.spec_from_file_location("previous_dsa_triton", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def against_previous(prev, args: tuple, do: torch.Tensor, leaves: list[torch.Tensor]) -> dict:
+    """The previous kernels' attention on the same inputs: its times, and how far its output and
+    gradients are from today's (relative, the worst of the three)."""
+
+    def grads(module):
+        for x in leaves:
+            x.grad = None
+        o = module.sparse_attention(*args, True)[0]
+        o.backward(do)
+        return [o.detach().float()] + [x.grad.float() for x in leaves]
+
+    now, then = grads(fused), grads(prev)
+    for x in leaves:
+        x.grad = None
+    return {
+        "prev_fwd_ms": timed(lambda: prev.sparse_attention(*args, True)),
+        "prev_bwd_ms": backward_ms(lambda: prev.sparse_attention(*args, True)[0], do),
+        "prev_rel": max(float((a - b).norm() / b.norm()) for a, b in zip(now, then, strict=True)),
+    }
+
+
+def measure(a, T: int, prev=None) -> dict:
     """One length's row (printed as it goes). Its tensors are this call's locals, freed when it
-    returns."""
+    returns. ``prev``: the previous kernels' module, timed too."""
     H, D, E, J, Dh, rope = dims(a)
     bf: dict[str, Any] = dict(device=DEV, dtype=torch.bfloat16)
     g = torch.Generator(device=DEV).manual_seed(0)
@@ -124,8 +161,10 @@ def measure(a, T: int) -> dict:
 
     idx = topk()
 
+    inputs = (q[None], kv[None, :, None], kv[None, :, None, :E], idx, scale)
+
     def attention():
-        return fused.sparse_attention(q[None], kv[None, :, None], kv[None, :, None, :E], idx, scale, True)
+        return fused.sparse_attention(*inputs, True)
 
     target = attention()[1].detach()
 
@@ -138,6 +177,8 @@ def measure(a, T: int) -> dict:
         "bwd_ms": backward_ms(lambda: attention()[0], do),
         "loss_ms": timed(lambda: loss().backward()),
     }
+    if prev is not None:
+        ms.update(against_previous(prev, inputs, do, [q, kv]))
     qd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
     kd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
     vd = torch.randn(1, H, T, 128, generator=g, **bf).requires_grad_()
@@ -161,6 +202,13 @@ def measure(a, T: int) -> dict:
         f"{row['dsa_vs_dense']:.2f}x |",
         flush=True,
     )
+    if prev is not None:
+        print(
+            f"  previous kernels: fwd {ms['prev_fwd_ms']:.1f} ms, bwd {ms['prev_bwd_ms']:.1f} ms (today's "
+            f"{ms['prev_fwd_ms'] / ms['fwd_ms']:.2f}x and {ms['prev_bwd_ms'] / ms['bwd_ms']:.2f}x as fast); "
+            f"outputs and gradients within {ms['prev_rel']:.1e} of theirs",
+            flush=True,
+        )
     return row
 
 
@@ -172,6 +220,9 @@ def main() -> None:
     ap.add_argument("--index-heads", type=int, default=64)
     ap.add_argument("--out", default="bench/results/dsa.json")
     ap.add_argument("--tune", action="store_true", help="time other block sizes of the attention kernels instead")
+    ap.add_argument(
+        "--previous", type=Path, default=None, help="an earlier copy of kiln_kernels/dsa/triton.py, timed too"
+    )
     a = ap.parse_args()
     if a.tune:
         return tune(a)
@@ -184,8 +235,9 @@ def main() -> None:
     )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
+    prev = load_previous(a.previous)
     for T in a.seq:
-        rows.append(measure(a, T))
+        rows.append(measure(a, T, prev))
         accelerator.empty_cache(DEV)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     done = {
