@@ -204,8 +204,8 @@ def measure(a, T: int, prev=None) -> dict:
     )
     if prev is not None:
         print(
-            f"  previous kernels: fwd {ms['prev_fwd_ms']:.1f} ms, bwd {ms['prev_bwd_ms']:.1f} ms (today's "
-            f"{ms['prev_fwd_ms'] / ms['fwd_ms']:.2f}x and {ms['prev_bwd_ms'] / ms['bwd_ms']:.2f}x as fast); "
+            f"  previous kernels: fwd {ms['prev_fwd_ms']:.1f} ms, bwd {ms['prev_bwd_ms']:.1f} ms (today's at "
+            f"{ms['prev_fwd_ms'] / ms['fwd_ms']:.2f}x and {ms['prev_bwd_ms'] / ms['bwd_ms']:.2f}x their speed); "
             f"outputs and gradients within {ms['prev_rel']:.1e} of theirs",
             flush=True,
         )
