@@ -45,23 +45,18 @@ def timed(fn) -> float:
 
 
 CANDIDATES = {
-    "fwd": [
-        dict(BH=16, EB=512, BK=32, num_warps=4),
-        dict(BH=32, EB=256, BK=32, num_warps=8),
-        dict(BH=64, EB=128, BK=32, num_warps=8),
-        dict(BH=64, EB=256, BK=32, num_warps=8),
-        dict(BH=16, EB=512, BK=64, num_warps=8),
+    "fwd": [  # the model's values are the keys' first dims: one value block, EB = E, always
         dict(BH=64, EB=512, BK=32, num_warps=8),
         dict(BH=64, EB=512, BK=16, num_warps=8),
+        dict(BH=64, EB=512, BK=64, num_warps=8),
+        dict(BH=32, EB=512, BK=32, num_warps=8),
+        dict(BH=16, EB=512, BK=32, num_warps=4),
     ],
     "bwd": [
         dict(BH=32, BK=32, num_warps=8),
         dict(BH=32, BK=16, num_warps=8),
-        dict(BH=32, BK=32, num_warps=4),
         dict(BH=16, BK=32, num_warps=4),
-        dict(BH=16, BK=64, num_warps=8),
     ],
-    "weights": [dict(BH=16, BK=32, num_warps=4), dict(BH=64, BK=32, num_warps=8), dict(BH=32, BK=64, num_warps=8)],
 }
 
 
