@@ -13,7 +13,8 @@ the indexer's top-k and without gathered copies of the keys.
   Backward: one walk per (query, key head, block of query heads) that computes a key block's
   probabilities and score gradients once for both dq (summed in registers) and the keys' and
   values' shares, summed over the block's heads before one fp32 atomic add per selected key and
-  head block (32 heads a block: 64 would need more shared memory than a block may have; under
+  head block (32 heads a block in bf16, 16 in fp32: 64 would need more shared memory than a
+  block may have; under
   ``torch.use_deterministic_algorithms``: into a slot per query, head block and key, summed by
   torch's deterministic ``index_add_``, in chunks of queries; slower, bit-reproducible). Shared
   values (a view of the tensor the keys are of) are read from the key tiles here too, and their
@@ -515,7 +516,7 @@ def _bh(cfg: dict, HG: int, x: torch.Tensor) -> dict:
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, idx, scale, with_weights):
-        shared = shared_values(k, v)  # v stays a view of k (the backward's kernels take a copy)
+        shared = shared_values(k, v)  # the forward reads the values from the key tiles
         q, k, idx = q.contiguous(), k.contiguous(), idx.to(torch.int32).contiguous()
         v = v if shared else v.contiguous()
         meta, (B, T, H, G, E) = _attn_meta(q, k, v)
@@ -542,8 +543,11 @@ class _SparseAttention(torch.autograd.Function):
 
         o, lse, p = kept("sparse_attention", run)
         # the backward reads the values from the key tiles too and adds their gradient into the
-        # keys' where autograd will: v a view of the tensor k is of (not a detached alias)
-        ctx.shared = shared and _root(v) is _root(k)
+        # keys' where autograd carries it on to v's: v a view of the tensor k is of (not a
+        # detached alias), and either needing no gradient or reached through k's graph
+        ctx.shared = (
+            shared and _root(v) is _root(k) and (not v.requires_grad or (k.requires_grad and v.grad_fn is not None))
+        )
         ctx.save_for_backward(q, k, None if ctx.shared else v, idx, cnt, o, lse)
         ctx.scale = scale
         if p is not None:
