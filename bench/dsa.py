@@ -56,6 +56,9 @@ CANDIDATES = {
         dict(BH=32, BK=32, num_warps=8),
         dict(BH=32, BK=16, num_warps=8),
         dict(BH=16, BK=32, num_warps=4),
+        dict(BH=64, BK=16, num_warps=8, KT=True),  # 188 KB shared (bench.regs); KT=False: 340
+        dict(BH=64, BK=32, num_warps=8, KT=True),  # 224 KB
+        dict(BH=32, BK=32, num_warps=8, KT=True),
     ],
 }
 

@@ -344,6 +344,7 @@ def _attn_bwd(
     PREC: tl.constexpr,
     ORDERED: tl.constexpr,
     SHARED: tl.constexpr,
+    KT: tl.constexpr = False,
 ):
     """A program per (query, key head, block of BH query heads), queries [t0, t0 + TC): the
     probabilities and score gradients of a block of keys computed once for dq (summed in
@@ -352,7 +353,9 @@ def _attn_bwd(
     slot of DK [B, TC, G, NHB, NK, D] and DV [.., E] instead, for a sum in a fixed order
     afterwards. ``SHARED`` (the values are the
     keys' first E = DA dims): values from the key tile, and dv added into dk's first dims, nothing
-    into DV."""
+    into DV. ``KT``: the keys' and values' shares as (q^T ds)^T and (do^T p)^T, so that q and do
+    are only ever the products' left operands: on Hopper one staged copy of each instead of two,
+    which lets 64 heads a block fit in shared memory (``bench.regs``)."""
     t, bg, hb = t0 + tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
@@ -374,9 +377,14 @@ def _attn_bwd(
         dsc = ds.to(ka.dtype)
         dqa += tl.dot(dsc, ka, input_precision=PREC)
         dqb += tl.dot(dsc, kb, input_precision=PREC)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-        dka = tl.dot(tl.trans(dsc), qa, input_precision=PREC) * scale
-        dkb = tl.dot(tl.trans(dsc), qb, input_precision=PREC) * scale
+        if KT:
+            dv = tl.trans(tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PREC))
+            dka = tl.trans(tl.dot(tl.trans(qa), dsc, input_precision=PREC)) * scale
+            dkb = tl.trans(tl.dot(tl.trans(qb), dsc, input_precision=PREC)) * scale
+        else:
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+            dka = tl.dot(tl.trans(dsc), qa, input_precision=PREC) * scale
+            dkb = tl.dot(tl.trans(dsc), qb, input_precision=PREC) * scale
         if SHARED:
             dka += dv
         if ORDERED:

@@ -218,6 +218,29 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, shared, 
         assert rel(got, w) < TOL[dtype]
 
 
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize(
+    "B,T,H,G,D,E,topk", [(1, 37, 4, 1, 24, 16, 8), (1, 30, 48, 1, 24, 16, 8), (2, 40, 4, 2, 24, 16, 8)]
+)
+def test_backward_with_the_keys_shares_transposed_matches_the_reference(B, T, H, G, D, E, topk, shared, monkeypatch):
+    """The backward's ``KT`` launch (a tuning candidate: the keys' shares as (q^T ds)^T, so that 64
+    heads a block fit in shared memory) gives the reference's gradients, in one head block or
+    several, shared values or apart."""
+    from kiln_kernels.dsa import triton as K
+
+    monkeypatch.setitem(K.CONFIG, "bwd", {**K.CONFIG["bwd"], "KT": True})
+    idx = K.indexer_topk(*indexer_inputs(B, T, 4, 16, torch.float32, seed=9), starts(B, T, True), topk)
+    g = torch.Generator(device=DEVICE).manual_seed(13)
+    q, k, v = (torch.randn(B, T, n, d, device=DEVICE, generator=g) for n, d in ((H, D), (G, D), (G, E)))
+    do = torch.randn(B, T, H, E, device=DEVICE, generator=g)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    x64 = [x.double().requires_grad_() for x in (q, k, v)]
+    K.sparse_attention(xs[0], xs[1], xs[1][..., :E] if shared else xs[2], idx, D**-0.5).backward(do)
+    R.sparse_attention(x64[0], x64[1], x64[1][..., :E] if shared else x64[2], idx, D**-0.5).backward(do.double())
+    for got, want in zip(xs[: 2 if shared else 3], x64, strict=False):
+        assert rel(got.grad, want.grad) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("alias", ["detached", "keys without a gradient"])
 def test_values_aliasing_the_keys_apart_from_their_graph_get_their_own_gradient(alias):
     """Values that share the keys' memory but whose gradient does not flow through the keys' (a
