@@ -1,6 +1,7 @@
-"""Registers, spills and shared memory of KDA's and DSA's kernels on the H200 (sm_90a), compiled offline: Triton to
-PTX on this machine, then ptxas -v (the one in Triton's wheel). No GPU needed: a kernel that
-spills in a sequential loop is found before a device is lent.
+"""Registers, spills and shared memory of KDA's and DSA's kernels on the H200 (sm_90a), compiled
+offline: Triton to PTX on this machine, then ptxas -v (the one in Triton's wheel). No GPU needed:
+a kernel that spills in a sequential loop, or asks more shared memory than a block may have, is
+found before a device is lent.
 
     python3 -m bench.regs          # every kernel at its CONFIG's settings (kiln_kernels.kda.triton, .dsa.triton)
     python3 -m bench.regs --tune   # and at bench.kda's and bench.dsa's candidate settings
@@ -87,19 +88,12 @@ MLA = dict(H=64, G=1, D=576, DA=512, DB=64, E=512, PREC="tf32")
 ATTN = dict(Q=BF, Kk=BF, V=BF, IDX=I32, CNT=I32)
 GRADS = dict(DO=BF, LSE=F32, DELTA=F32)
 FWD = ATTN | dict(O=BF, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32")
+BWD = ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32")
 KERNELS |= {
     "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False, WEIGHTS=False)),
     "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True, WEIGHTS=True)),  # the model's: the target inside
-    "dsa bwd": (
-        dsa._attn_bwd,
-        ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32"),
-        MLA | dict(E_PAD=512, ORDERED=False, SHARED=False),
-    ),
-    "dsa bwd shared": (
-        dsa._attn_bwd,
-        ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32"),
-        MLA | dict(E_PAD=512, ORDERED=False, SHARED=True),
-    ),
+    "dsa bwd": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=False)),
+    "dsa bwd shared": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=True)),
     "dsa weights": (
         dsa._attn_weights,
         dict(Q=BF, Kk=BF, IDX=I32, CNT=I32, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32"),

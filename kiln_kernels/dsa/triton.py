@@ -14,13 +14,12 @@ the indexer's top-k and without gathered copies of the keys.
   probabilities and score gradients once for both dq (summed in registers) and the keys' and
   values' shares, summed over the block's heads before one fp32 atomic add per selected key and
   head block (32 heads a block in bf16, 16 in fp32: 64 would need more shared memory than a
-  block may have; under
-  ``torch.use_deterministic_algorithms``: into a slot per query, head block and key, summed by
-  torch's deterministic ``index_add_``, in chunks of queries; slower, bit-reproducible). Shared
-  values (a view of the tensor the keys are of) are read from the key tiles here too, and their
-  gradient joins the keys' in that one add. With
-  ``with_weights`` a second walk writes the indexer's target (probabilities averaged over heads),
-  in the forward's program where it holds all of a query's heads.
+  block may have; under ``torch.use_deterministic_algorithms``: into a slot per query, head
+  block and key, summed by torch's deterministic ``index_add_``, in chunks of queries; slower,
+  bit-reproducible). Shared values (a view of the tensor the keys are of) are read from the key
+  tiles here too, and their gradient joins the keys' in that one add. With ``with_weights`` a
+  second walk writes the indexer's target (probabilities averaged over heads), in the forward's
+  program where it holds all of a query's heads.
 - ``indexer_kl_loss``: a program per query recomputes its index scores on the selected keys only;
   the backward adds dk with fp32 atomics (in a fixed order when deterministic, as above).
 
@@ -188,6 +187,19 @@ def _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK: tl.constexpr):
 
 
 @triton.jit
+def _scores(qa, qb, ka, kb, PREC: tl.constexpr):
+    """q . k of a head block and a key block, over the head dim's two tiles."""
+    return tl.dot(qa, tl.trans(ka), input_precision=PREC) + tl.dot(qb, tl.trans(kb), input_precision=PREC)
+
+
+@triton.jit
+def _probs(qa, qb, ka, kb, lse, ok, scale2, PREC: tl.constexpr):
+    """The probabilities of a head block on a key block from the heads' log-sum-exps (base 2),
+    0 on keys past the count (and on heads whose lse is inf)."""
+    return tl.where(ok[None, :], tl.exp2(_scores(qa, qb, ka, kb, PREC) * scale2 - lse[:, None]), 0.0)
+
+
+@triton.jit
 def _values(V, krow, ok, e, E: tl.constexpr):
     """The selected rows' values [BK, len(e)], dims e of E."""
     return tl.load(V + krow[:, None] * E + e[None, :], mask=ok[:, None] & (e[None, :] < E), other=0.0)
@@ -241,16 +253,12 @@ def _attn_fwd(
     for k0 in range(0, cnt, BK):
         kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
         ka, kb = _rows(Kk, krow, ok, D, DA, DB)
-        s = tl.dot(qa, tl.trans(ka), input_precision=PREC) + tl.dot(qb, tl.trans(kb), input_precision=PREC)
-        s = tl.where(ok[None, :], s * scale2, float("-inf"))
+        s = tl.where(ok[None, :], _scores(qa, qb, ka, kb, PREC) * scale2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        if SHARED:
-            v = ka
-        else:
-            v = _values(V, krow, ok, e, E)
+        v = ka if SHARED else _values(V, krow, ok, e, E)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m = m_new
     l_safe = tl.where(l > 0, l, 1.0)
@@ -267,16 +275,14 @@ def _attn_fwd(
         for k0 in range(0, cnt, BK):
             kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
             ka, kb = _rows(Kk, krow, ok, D, DA, DB)
-            s = tl.dot(qa, tl.trans(ka), input_precision=PREC) + tl.dot(qb, tl.trans(kb), input_precision=PREC)
-            p = tl.where(ok[None, :], tl.exp2(s * scale2 - lse[:, None]), 0.0)
+            p = _probs(qa, qb, ka, kb, lse, ok, scale2, PREC)
             tl.store(P + (b * T + t).to(tl.int64) * NK + kk, tl.sum(p, 0) / H, mask=ok)
 
 
 @triton.jit
 def _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC: tl.constexpr):
     """Probabilities p and score gradients ds (w.r.t. scale * q . k) of a head block and a key block."""
-    s = (tl.dot(qa, tl.trans(ka), input_precision=PREC) + tl.dot(qb, tl.trans(kb), input_precision=PREC)) * scale2
-    p = tl.where(ok[None, :], tl.exp2(s - lse[:, None]), 0.0)
+    p = _probs(qa, qb, ka, kb, lse, ok, scale2, PREC)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     return p, p * (dp - delta[:, None])
 
@@ -351,11 +357,11 @@ def _attn_bwd(
     registers, no atomics) and for the keys' and values' shares (summed over the block's heads,
     then one fp32 atomic add per key and head block). ``ORDERED``: each share written to its own
     slot of DK [B, TC, G, NHB, NK, D] and DV [.., E] instead, for a sum in a fixed order
-    afterwards. ``SHARED`` (the values are the
-    keys' first E = DA dims): values from the key tile, and dv added into dk's first dims, nothing
-    into DV. ``KT``: the keys' and values' shares as (q^T ds)^T and (do^T p)^T, so that q and do
-    are only ever the products' left operands: on Hopper one staged copy of each instead of two,
-    which lets 64 heads a block fit in shared memory (``bench.regs``)."""
+    afterwards. ``SHARED`` (the values are the keys' first E = DA dims): values from the key
+    tile, and dv added into dk's first dims, nothing into DV. ``KT``: the keys' and values'
+    shares as (q^T ds)^T and (do^T p)^T, so that q and do are only ever the products' left
+    operands: on Hopper one staged copy of each instead of two, which lets 64 heads a block fit
+    in shared memory (``bench.regs``)."""
     t, bg, hb = t0 + tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
@@ -444,9 +450,8 @@ def _attn_weights(
                 h_ok = heads < HG
                 qrow = (b * T + t).to(tl.int64) * H + g * HG + heads
                 qa, qb = _rows(Q, qrow, h_ok, D, DA, DB)
-                s = tl.dot(qa, tl.trans(ka), input_precision=PREC) + tl.dot(qb, tl.trans(kb), input_precision=PREC)
                 lse = tl.load(LSE + qrow, mask=h_ok, other=float("inf"))
-                total += tl.sum(tl.where(ok[None, :], tl.exp2(s * scale2 - lse[:, None]), 0.0), 0)
+                total += tl.sum(_probs(qa, qb, ka, kb, lse, ok, scale2, PREC), 0)
         kk = k0 + tl.arange(0, BK)
         tl.store(P + (b * T + t).to(tl.int64) * NK + kk, total / H, mask=kk < cnt)
 
