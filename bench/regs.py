@@ -104,8 +104,9 @@ KERNELS |= {
 
 def settings(kernel: str, tune: bool) -> list[dict]:
     """The kernel's launch settings today (its module's CONFIG), then its bench's candidates."""
-    name = kernel.removeprefix("dsa ").removesuffix(" shared")
+    name = kernel.removeprefix("dsa ")
     config, candidates = (dsa.CONFIG, dsa_bench.CANDIDATES) if kernel != name else (kda.CONFIG, kda_bench.CANDIDATES)
+    name = name if name in config else name.removesuffix(" shared")
     found = [config[name]] + ([c for c in candidates.get(name, []) if c != config[name]] if tune else [])
     if kernel == "dsa fwd shared":  # the values from the key tile: one value block, E wide
         wide = [{**c, "EB": 512} for c in found]

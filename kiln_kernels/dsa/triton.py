@@ -459,6 +459,8 @@ def _attn_weights(
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
 CONFIG = {
     "fwd": dict(BH=64, EB=512, BK=32, num_warps=8),
+    # values from the key tile: no value tile of their own, so 64 keys a block fit (bench.regs)
+    "fwd shared": dict(BH=64, EB=512, BK=64, num_warps=8),
     "bwd": dict(BH=32, BK=32, num_warps=8),  # 64 heads: 311-385 KB of shared memory (bench.regs)
     "weights": dict(BH=16, BK=32, num_warps=4),
 }
@@ -540,7 +542,7 @@ class _SparseAttention(torch.autograd.Function):
         def run():
             o = torch.empty(B, T, H, E, dtype=q.dtype, device=q.device)
             lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-            cfg = _bh(CONFIG["fwd"], H // G, q)
+            cfg = _bh(CONFIG["fwd shared" if shared else "fwd"], H // G, q)
             cfg["EB"] = E if shared else min(cfg["EB"], _pow2(E))
             blocks = triton.cdiv(H // G, cfg["BH"]) * triton.cdiv(E, cfg["EB"])
             p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device) if with_weights else None
