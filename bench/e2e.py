@@ -10,7 +10,9 @@ vocab 163840), 5 layers (KDA, KDA, KDA, MLA, KDA; the first MLP dense), random w
 transformers in bf16 to ``--ckpt`` once and loaded from there by both sides: Kiln through
 ``engine.model.registry.load_base`` as the trainer loads it, transformers through ``from_pretrained``.
 LoRA rank 16 (alpha 32) on q/k/v/o and the MLPs' gate/up/down projections, and with
-``experts`` on every expert's gate_up/down too (PEFT's ``target_parameters``); AdamW.
+``experts`` on every expert's gate_up/down too (PEFT's ``target_parameters``); fused AdamW
+(transformers' Trainer's default; Kiln's trainer's, its update skipped on the device where the
+gradient norm is not finite), the gradients clipped to norm 1 by both.
 
 Each row: ``tokens`` per step as one document (``single``) or documents of 4096 (``packed4k``:
 Kiln packs them into one row as its trainer does, transformers takes them as a batch of rows);
@@ -352,6 +354,7 @@ class Kiln:
 
     def __init__(self, folder: Path, experts: bool):
         from engine.lora import apply_lora, store_frozen
+        from engine.training.step import optimizer
         from engine.model.registry import load_base
         from kiln.spec import LoraSpec
 
@@ -365,7 +368,7 @@ class Kiln:
             store_frozen(self.model, torch.bfloat16)
         self.model.to(DEV).train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=1e-5)
+        self.opt = optimizer(self.params, 1e-5)  # the trainer's
         self.load_s = time.perf_counter() - t0
         self.memory = "none"
         self.rehearsed = False
@@ -404,15 +407,16 @@ class Kiln:
     def step(self, docs: list[torch.Tensor]) -> None:
         from engine.data import Sample
         from engine.training.ranks import Single
-        from engine.training.step import accumulate
+        from engine.training.step import accumulate, update
 
         samples = [Sample(i, d, d.clone(), torch.zeros(0, 3, 1, 1)) for i, d in enumerate(docs)]
-        accumulate(self.model, samples, 1, 0, sum(len(d) for d in docs), Single(DEV), ahead=not self.rehearsed)
+        ranks = Single(DEV)
+        loss = accumulate(self.model, samples, 1, 0, sum(len(d) for d in docs), ranks, ahead=not self.rehearsed)[0]
         self.rehearsed = True  # as the trainer: its first step compiles the kernels side by side
         with torch.profiler.record_function(TAG + "optimizer"):
-            torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-            self.opt.step()
+            update(self.opt, self.params, ranks)  # as the trainer: nothing read before the update is queued
             self.opt.zero_grad(set_to_none=True)
+        float(loss)  # as the trainer's metrics, after the update
 
 
 class HF:
@@ -430,7 +434,7 @@ class HF:
         )
         self.model = peft.get_peft_model(base, cfg).train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=1e-5)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-5, fused=True)  # transformers' Trainer's default (adamw_torch_fused)
         self.load_s = time.perf_counter() - t0
         self.memory = "none"
 

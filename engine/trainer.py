@@ -28,7 +28,7 @@ from engine.training.checkpointer import checkpointer_for
 from engine.training.hyper import lr_lambda, resolve
 from engine.training.objective import objective_for
 from engine.training.ranks import ranks_for
-from engine.training.step import accumulate, dpo_accumulate, dpo_evaluate, evaluate
+from engine.training.step import accumulate, dpo_accumulate, dpo_evaluate, evaluate, optimizer, update
 from kiln.dataset import DatasetError, Issue, LengthBound, method_takes
 from kiln.spec import JobSpec
 from kiln.tokenizer import chat_template, load_tokenizer
@@ -80,7 +80,7 @@ class Trainer:
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self._describe(total_params, n_train)
 
-        self.opt = torch.optim.AdamW(self.trainable, lr=self.hp.learning_rate, weight_decay=0.0)
+        self.opt = optimizer(self.trainable, self.hp.learning_rate)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(self.hp.warmup_steps, self.hp.total_steps))
         if spec.resume_from:
             self.step_no, self.tokens = self.checkpointer.resume(spec.resume_from, model, self.opt, self.sched)
@@ -177,20 +177,17 @@ class Trainer:
                 ahead=not self.rehearsed,  # the process's first step compiles its kernels side by side
             )
         self.rehearsed = True
-        grad_norm = self.ranks.clip(self.trainable, 1.0)
-        if torch.isfinite(grad_norm):
-            self.opt.step()
-        else:
-            # seen on the H200 in bf16: a finite loss, an overflowed backward; one bad step must not poison the weights
+        grad_norm, finite = update(self.opt, self.trainable, self.ranks)
+        self.objective.after_update(self.model, self.ranks)
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        if not finite:  # read once the update is queued
             self.skipped += 1
             self.reporter.message(
                 f"Step {self.step_no + 1}: the gradient is not finite; the update was skipped ({self.skipped} so far)",
                 level="warn",
                 data={"step": self.step_no + 1, "skipped_steps": self.skipped},
             )
-        self.objective.after_update(self.model, self.ranks)
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
         self.step_no += 1
         self.tokens += seen
         metrics = {
@@ -198,7 +195,7 @@ class Trainer:
             "total_steps": hp.total_steps,
             "epoch": epoch + 1,
             "train_loss": float(loss),
-            **(dpo or {"train_mean_token_accuracy": right / max(n, 1)}),
+            **(dpo or {"train_mean_token_accuracy": int(right) / max(n, 1)}),
             "learning_rate": self.sched.get_last_lr()[0],
             "grad_norm": float(grad_norm),
             "step_seconds": (seconds := time.perf_counter() - t0),

@@ -84,7 +84,7 @@ def step(model, samples, mesh, device) -> dict:
     return {
         "loss": float(loss),
         "targets": n,
-        "right": right,
+        "right": int(right),
         "seen": seen,
         "rows": rows,
         "grads": {k: v.detach().cpu() for k, v in grads.items()},

@@ -49,7 +49,7 @@ class Single:
         assert ids is not None  # collate always gives the ids
         return batch, None, ids.shape[0]
 
-    def sum(self, *values: float) -> list[float]:
+    def sum(self, *values):
         return list(values)
 
     def stop(self, reporter: Reporter) -> str | None:
@@ -96,10 +96,10 @@ class MeshRanks(Single):
 
         return *split(batch, pad, m.cp_group, m.cp_rank, m.cp), rows if m.cp_rank == 0 else 0
 
-    def sum(self, *values: float) -> list[float]:
+    def sum(self, *values: float | torch.Tensor) -> list[float]:
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=torch.float64, device=self.mesh.device)
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.mesh.device)
         dist.all_reduce(t)
         return t.tolist()
 

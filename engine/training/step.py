@@ -84,9 +84,13 @@ def accumulate(
     summed over the ranks, equal the whole batch's (context parallel too: each rank's slice holds
     its own targets). ``ranks``: engine.training.ranks. ``ahead``: the first part is rehearsed
     first, its kernels compiled side by side (``rehearse``; a process's first step). Returns (loss,
-    targets, right, tokens, rows) for the step, over all ranks."""
+    targets, right, tokens, rows) for the step, over all ranks: the loss and the right count as
+    tensors on the device (one rank: nothing is read from the device here, so the update is
+    queued behind the backward before the host waits for either)."""
     total = sum(s.targets for s in samples) or 1
-    loss_sum, n_sum, right_sum, seen, rows = 0.0, 0, 0, 0, 0
+    loss_sum: torch.Tensor | float = 0.0
+    right_sum: torch.Tensor | int = 0
+    n_sum, seen, rows = 0, 0, 0
     for part in ranks.share(samples, parts=micro):
         batch, cp, packed = ranks.batch(
             part or samples[:1], pad, pack_to
@@ -96,12 +100,36 @@ def accumulate(
             ahead = False
         loss, n, right = forward_backward(model, batch, ranks.device, cp, total if part else None)
         if part:
-            loss_sum += float(loss.detach()) * n
-            n_sum, right_sum = n_sum + n, right_sum + int(right)
+            loss_sum = loss_sum + loss.detach().double() * n
+            n_sum, right_sum = n_sum + n, right_sum + right
             seen += int((batch["input_ids_BT"] != pad).sum())  # under context parallel: this slice's
             rows += packed
     loss_sum, n_sum, right_sum, seen, rows = ranks.sum(loss_sum, n_sum, right_sum, seen, rows)
-    return torch.tensor(loss_sum / max(n_sum, 1)), int(n_sum), int(right_sum), int(seen), int(rows)
+    return torch.as_tensor(loss_sum / max(n_sum, 1)), int(n_sum), torch.as_tensor(right_sum), int(seen), int(rows)
+
+
+def optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
+    """AdamW without weight decay, fused (one kernel over every tensor, its step skippable on the
+    device: ``update``) where the parameters are on the CPU or CUDA."""
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=fused or None)
+
+
+def update(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], ranks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip the gradients to norm 1 and take the optimizer's step, unless their norm is not finite
+    (seen on the H200 in bf16: a finite loss, an overflowed backward; one bad step must not poison
+    the weights). Returns (norm, finite) as tensors. A fused optimizer skips the step on the device
+    (its ``found_inf``, as under torch's GradScaler): nothing is read from the device before the
+    update is queued, and the GPU goes from the backward into it without waiting for the host.
+    Another optimizer reads ``finite`` first."""
+    norm = ranks.clip(params, 1.0)
+    finite = torch.isfinite(norm)
+    if opt.defaults.get("fused"):
+        opt.found_inf = (~finite).float()  # type: ignore[attr-defined]
+        opt.step()
+    elif finite:
+        opt.step()
+    return norm, finite
 
 
 @torch.no_grad()
