@@ -354,8 +354,8 @@ class Kiln:
 
     def __init__(self, folder: Path, experts: bool):
         from engine.lora import apply_lora, store_frozen
-        from engine.training.step import optimizer
         from engine.model.registry import load_base
+        from engine.training.step import optimizer
         from kiln.spec import LoraSpec
 
         t0 = time.perf_counter()
@@ -434,7 +434,7 @@ class HF:
         )
         self.model = peft.get_peft_model(base, cfg).train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=1e-5, fused=True)  # transformers' Trainer's default (adamw_torch_fused)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-5, fused=True)  # the Trainer's default (adamw_torch_fused)
         self.load_s = time.perf_counter() - t0
         self.memory = "none"
 

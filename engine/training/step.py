@@ -78,7 +78,7 @@ def rehearse(model: torch.nn.Module, batch: dict, device: torch.device, cp) -> b
 
 def accumulate(
     model: torch.nn.Module, samples: list, micro: int, pad: int, pack_to: int | None, ranks, ahead: bool = False
-) -> tuple[torch.Tensor, int, int, int, int]:
+) -> tuple[torch.Tensor, int, torch.Tensor, int, int]:
     """Forward and backward this rank's share of the step's examples in ``micro`` parts, each
     weighted by its share of the target tokens of the whole step (on all ranks): the gradients,
     summed over the ranks, equal the whole batch's (context parallel too: each rank's slice holds
