@@ -165,7 +165,7 @@ class Trainer:
             dpo = dpo_accumulate(
                 self.model, samples, self.beta, self.tpl.pad_id, self.ranks.device, ahead=not self.rehearsed
             )
-            loss, n, right, seen, rows = torch.tensor(dpo.pop("train_loss")), 0, 0, dpo.pop("tokens"), 0
+            loss, n, right, seen, rows = torch.tensor(dpo.pop("train_loss")), 0, torch.tensor(0), dpo.pop("tokens"), 0
         else:
             loss, n, right, seen, rows = accumulate(
                 self.model,
