@@ -355,7 +355,7 @@ class Kiln:
     def __init__(self, folder: Path, experts: bool):
         from engine.lora import apply_lora, store_frozen
         from engine.model.registry import load_base
-        from engine.training.step import optimizer
+        from engine.training.optim import optimizer
         from kiln.spec import LoraSpec
 
         t0 = time.perf_counter()
@@ -406,8 +406,9 @@ class Kiln:
 
     def step(self, docs: list[torch.Tensor]) -> None:
         from engine.data import Sample
+        from engine.training.optim import update
         from engine.training.ranks import Single
-        from engine.training.step import accumulate, update
+        from engine.training.step import accumulate
 
         samples = [Sample(i, d, d.clone(), torch.zeros(0, 3, 1, 1)) for i, d in enumerate(docs)]
         ranks = Single(DEV)
@@ -434,7 +435,8 @@ class HF:
         )
         self.model = peft.get_peft_model(base, cfg).train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=1e-5, fused=True)  # the Trainer's default (adamw_torch_fused)
+        # as Kiln's (engine.training.optim): fused where it can be (the Trainer's default, adamw_torch_fused), no decay
+        self.opt = torch.optim.AdamW(self.params, lr=1e-5, weight_decay=0.0, fused=DEV.type in ("cpu", "cuda") or None)
         self.load_s = time.perf_counter() - t0
         self.memory = "none"
 

@@ -27,8 +27,9 @@ from engine.spec import Reporter, Store, TrainResult
 from engine.training.checkpointer import checkpointer_for
 from engine.training.hyper import lr_lambda, resolve
 from engine.training.objective import objective_for
+from engine.training.optim import optimizer, update
 from engine.training.ranks import ranks_for
-from engine.training.step import accumulate, dpo_accumulate, dpo_evaluate, evaluate, optimizer, update
+from engine.training.step import accumulate, dpo_accumulate, dpo_evaluate, evaluate
 from kiln.dataset import DatasetError, Issue, LengthBound, method_takes
 from kiln.spec import JobSpec
 from kiln.tokenizer import chat_template, load_tokenizer

@@ -35,9 +35,11 @@ def _state(model: nn.Module, mesh: Mesh | None, opt: torch.optim.Optimizer | Non
         state["buffers"] = {n: b for n, b in model.named_buffers() if n in keys}
     if opt is not None:
         by_id = {id(p): n for n, p in params.items()}
+        fused = all(g.get("fused") for g in opt.param_groups)  # its step counts on the device, fp32
         for p in params.values():  # a fresh optimizer has no state yet: give it AdamW's, zeroed
             if p.requires_grad and not opt.state[p]:
-                opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                step = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
+                opt.state[p].update(step=step, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         states = {by_id[id(p)]: s for p, s in opt.state.items() if id(p) in by_id}
         state["optim"] = {k: global_view(model, mesh, {n: s[k] for n, s in states.items()}) for k in _ADAM}
         state["optim"]["step"] = {n: s["step"] for n, s in states.items()}

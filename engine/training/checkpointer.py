@@ -15,6 +15,7 @@ import torch
 
 from engine import device as accelerator
 from engine.spec import Store
+from engine.training.optim import restored
 
 
 def trainer_state(step: int, tokens: int, sched, opt=None) -> dict:
@@ -57,6 +58,7 @@ class SingleFile:
             self.objective.load(model, folder)
             opt.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["rng"])
+        restored(opt)  # the optimizer's own form, whichever wrote the checkpoint
         sched.load_state_dict(state["scheduler"])
         if mesh is None:  # (a checkpoint from before the device layer named CUDA's alone)
             old = state.get("cuda_rng")

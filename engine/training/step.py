@@ -108,30 +108,6 @@ def accumulate(
     return torch.as_tensor(loss_sum / max(n_sum, 1)), int(n_sum), torch.as_tensor(right_sum), int(seen), int(rows)
 
 
-def optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
-    """AdamW without weight decay, fused (one kernel over every tensor, its step skippable on the
-    device: ``update``) where the parameters are on the CPU or CUDA."""
-    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=fused or None)
-
-
-def update(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], ranks) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip the gradients to norm 1 and take the optimizer's step, unless their norm is not finite
-    (seen on the H200 in bf16: a finite loss, an overflowed backward; one bad step must not poison
-    the weights). Returns (norm, finite) as tensors. A fused optimizer skips the step on the device
-    (its ``found_inf``, as under torch's GradScaler): nothing is read from the device before the
-    update is queued, and the GPU goes from the backward into it without waiting for the host.
-    Another optimizer reads ``finite`` first."""
-    norm = ranks.clip(params, 1.0)
-    finite = torch.isfinite(norm)
-    if opt.defaults.get("fused"):
-        opt.found_inf = (~finite).float()  # type: ignore[attr-defined]
-        opt.step()
-    elif finite:
-        opt.step()
-    return norm, finite
-
-
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module, data: Dataset, indices: list[int], bs: int, pad: int, pack_to: int | None, ranks
