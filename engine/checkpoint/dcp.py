@@ -19,7 +19,6 @@ from torch import nn
 
 from engine.parallel.fsdp import global_view
 from engine.parallel.mesh import Mesh
-from engine.training.optim import fused
 
 _ADAM = ("exp_avg", "exp_avg_sq")
 
@@ -36,10 +35,10 @@ def _state(model: nn.Module, mesh: Mesh | None, opt: torch.optim.Optimizer | Non
         state["buffers"] = {n: b for n, b in model.named_buffers() if n in keys}
     if opt is not None:
         by_id = {id(p): n for n, p in params.items()}
-        on_device = fused(opt)  # a fused optimizer's step counts: fp32 on the parameter's device
+        fused = all(g.get("fused") for g in opt.param_groups)  # its step counts on the device, fp32
         for p in params.values():  # a fresh optimizer has no state yet: give it AdamW's, zeroed
             if p.requires_grad and not opt.state[p]:
-                step = torch.zeros((), dtype=torch.float32, device=p.device) if on_device else torch.tensor(0.0)
+                step = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
                 opt.state[p].update(step=step, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
         states = {by_id[id(p)]: s for p, s in opt.state.items() if id(p) in by_id}
         state["optim"] = {k: global_view(model, mesh, {n: s[k] for n, s in states.items()}) for k in _ADAM}
