@@ -38,8 +38,10 @@ import datetime
 import functools
 import gc
 import json
+import logging
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -256,6 +258,7 @@ class Compiles:
     def __init__(self):
         self.times: dict[str, float] = defaultdict(float)
         self.count = 0
+        self.at_launch: list[str] = []  # compiled where a kernel launched, not ahead in the compile threads
 
     def __enter__(self):
         try:
@@ -266,8 +269,11 @@ class Compiles:
 
         def listen(src, metadata, metadata_group, times, cache_hit):
             if not cache_hit:
+                name = getattr(getattr(src, "fn", None), "__name__", "?")
                 self.count += 1
-                self.times[getattr(getattr(src, "fn", None), "__name__", "?")] += times.total / 1e6
+                self.times[name] += times.total / 1e6
+                if not threading.current_thread().name.startswith("kiln-compile"):  # kiln_kernels.ahead's
+                    self.at_launch.append(name)
 
         knobs.compilation.listener = listen
         return self
@@ -282,6 +288,7 @@ class Compiles:
             "compiles": self.count,
             "compile_s": sum(self.times.values()),
             "slowest_compiles_s": {k: round(v, 2) for k, v in top},
+            "compiled_at_launch": self.at_launch,
         }
 
 
@@ -568,6 +575,8 @@ def main() -> None:
     )
     p.add_argument("--check", action="store_true", help="a tiny model on the CPU: the script runs, no more")
     a = p.parse_args()
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("engine.training.step").setLevel(logging.INFO)  # the rehearsal's time
     if a.check:
         global DEV, DOC, LONG
         DEV, DOC, LONG = torch.device("cpu"), 64, 128
@@ -616,6 +625,8 @@ def main() -> None:
             f"{side:>4} {key[0]:>7} {key[1]:>8} experts={str(key[2]):<5} "
             + (
                 f"{tps:>9.0f} tok/s  peak {res['peak_gib']:6.1f} GiB  first step {res['first_step_s']:.1f} s"
+                f" ({res['first_step_compiles']['compiles']} compiles,"
+                f" at launch {res['first_step_compiles']['compiled_at_launch']})"
                 if tps
                 else res.get("error", "")
             )

@@ -5,6 +5,7 @@ and the same for preference pairs (DPO: the reference is the base model, the ada
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch.nn import functional as F
@@ -45,14 +46,34 @@ def forward_backward(model: torch.nn.Module, batch: dict, device: torch.device, 
     return loss, n, right
 
 
+REHEARSAL_SLICE = 16384  # rows longer than twice this are rehearsed on a slice of them (``rehearsal``)
+
+
+def rehearsal(batch: dict, cp) -> dict:
+    """What a first step rehearses of ``batch``: rows of T > 2 x REHEARSAL_SLICE tokens cut to their
+    first ``REHEARSAL_SLICE + T % REHEARSAL_SLICE``. The pass's other work (cuBLAS, attention)
+    runs for real, about a second for each 40k tokens of a Kimi Linear row on the H200; the slice
+    names the same kernels with the same specialisations (Triton's: an integer's divisibility by
+    16 and whether it is 1), as the lengths and every count of blocks up to REHEARSAL_SLICE / 16
+    tokens agree modulo 16. A kernel the slice still misses compiles at its launch in the step.
+    Images (their tokens would be cut from their pixels) and context-parallel slices are
+    rehearsed whole."""
+    T = batch["input_ids_BT"].shape[1]
+    if cp is not None or batch["pixels_NCHW"].numel() or T <= 2 * REHEARSAL_SLICE:
+        return batch
+    S = REHEARSAL_SLICE + T % REHEARSAL_SLICE
+    return {k: v[:, :S] if k.endswith("_BT") and v is not None else v for k, v in batch.items()}
+
+
 def rehearse(model: torch.nn.Module, batch: dict, device: torch.device, cp) -> bool:
-    """Compile the kernels of a forward and backward of ``batch`` side by side before it runs
-    (kiln_kernels.ahead): the pass launches no Triton kernel, so its numbers are garbage, and it
-    leaves no trace: the gradients, the routers' token counts and the random generators are as
-    they were (a resumed job draws what it would have drawn). False where there is nothing to
-    compile ahead (the CPU)."""
+    """Compile the kernels of a forward and backward of ``batch`` (its ``rehearsal``) side by side
+    before it runs (kiln_kernels.ahead): the pass launches no Triton kernel, so its numbers are
+    garbage, and it leaves no trace: the gradients, the routers' token counts and the random
+    generators are as they were (a resumed job draws what it would have drawn). False where there
+    is nothing to compile ahead (the CPU)."""
     if not accelerator.accelerated(device):
         return False
+    t0 = time.perf_counter()
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]  # set aside: a backward would add into them in place
     for p in params:
@@ -62,7 +83,7 @@ def rehearse(model: torch.nn.Module, batch: dict, device: torch.device, cp) -> b
     try:
         with compiling_ahead() as compiling:
             if compiling:
-                forward_backward(model, batch, device, cp, None)
+                forward_backward(model, rehearsal(batch, cp), device, cp, None)
     except Exception as e:  # only time is lost: the step compiles what it still needs as it runs
         log.warning("the first step's kernels were not compiled ahead: %s: %s", type(e).__name__, e)
         compiling = False
@@ -73,6 +94,8 @@ def rehearse(model: torch.nn.Module, batch: dict, device: torch.device, cp) -> b
             m.load = load
         torch.set_rng_state(cpu_rng)
         accelerator.set_rng_state(device_rng)
+    if compiling:
+        log.info("the first step's kernels compiled ahead in %.1f s", time.perf_counter() - t0)
     return compiling
 
 

@@ -9,8 +9,10 @@ import torch
 from kiln_kernels.dispatch import impl
 
 
-def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    return impl("rms_norm", x, weight_D).rms_norm(x, weight_D, eps)
+def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``dtype``: the result's, rounded to it as the last step (default the wider of x's and the
+    weight's: reference.py)."""
+    return impl("rms_norm", x, weight_D).rms_norm(x, weight_D, eps, dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:

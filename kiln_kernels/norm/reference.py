@@ -25,10 +25,12 @@ def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(wide(x), x.shape[-1:], eps=eps)
 
 
-def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     if x.dtype == weight_D.dtype and x.dtype in WIDE:  # nothing to round: torch's norm weighs as
-        return F.rms_norm(x, x.shape[-1:], weight_D, eps=eps)  # the definition does, in one op
-    return weight_D * cast(_normed(x, eps), x.dtype)
+        y = F.rms_norm(x, x.shape[-1:], weight_D, eps=eps)  # the definition does, in one op
+    else:
+        y = weight_D * cast(_normed(x, eps), x.dtype)
+    return y if dtype is None else y.to(dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:

@@ -95,13 +95,14 @@ def _tile(D: int) -> dict:
 
 class _Norm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, gate, w, eps: float):
+    def forward(ctx, x, gate, w, eps: float, dtype: torch.dtype | None):
         D = x.shape[-1]
         x2 = x.reshape(-1, D)
         N = x2.shape[0]
         gated = gate is not None
         g2 = gate.reshape(-1, D) if gated else x2
-        y = torch.empty(x2.shape, device=x.device, dtype=x.dtype if gated else torch.promote_types(w.dtype, x.dtype))
+        dtype = dtype or (x.dtype if gated else torch.promote_types(w.dtype, x.dtype))
+        y = torch.empty(x2.shape, device=x.device, dtype=dtype)
         r = torch.empty(N, device=x.device, dtype=torch.float32)
         tile = _tile(D)
         if N:
@@ -136,12 +137,12 @@ class _Norm(torch.autograd.Function):
             **tile,
         )
         dw = parts.sum(0).to(w.dtype) if need_dw else None
-        return dx.view(ctx.shape), dg.view(ctx.shape) if gated else None, dw, None
+        return dx.view(ctx.shape), dg.view(ctx.shape) if gated else None, dw, None, None
 
 
-def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    return _Norm.apply(x.contiguous(), None, weight_D.contiguous(), eps)
+def rms_norm(x: torch.Tensor, weight_D: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _Norm.apply(x.contiguous(), None, weight_D.contiguous(), eps, dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    return _Norm.apply(x.contiguous(), gate.contiguous(), weight_D.contiguous(), eps)
+    return _Norm.apply(x.contiguous(), gate.contiguous(), weight_D.contiguous(), eps, None)

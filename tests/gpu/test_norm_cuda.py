@@ -72,3 +72,25 @@ def test_dispatch(monkeypatch):
     monkeypatch.setenv("KILN_KERNELS", "reference")
     slow = norm.rms_norm(x, w, 1e-6), norm.gated_rms_norm(x, gate, w, 1e-6)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(fast, slow, strict=True))
+
+
+@gpu_only  # the interpreter rounds fp32 to bf16 toward zero, a GPU to nearest as torch does
+@pytest.mark.parametrize("shape", [(37, 64), (2, 700, 2304)])
+def test_a_narrower_result_is_the_wide_one_rounded_each_way(shape):
+    """``dtype``: the result rounded to it in the kernel is the wide result cast, bit for bit, and
+    so are the gradients of x and the weight from a gradient in that dtype."""
+    from kiln_kernels.norm import triton as impl
+
+    g = torch.Generator(device=DEVICE).manual_seed(sum(shape))
+    x0 = torch.randn(*shape, device=DEVICE, generator=g) * 3 + 0.5
+    w0 = 1 + torch.randn(shape[-1], device=DEVICE, generator=g) * 0.3
+    dy = torch.randn(*shape, device=DEVICE, generator=g).bfloat16()
+    outs = []
+    for narrow in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = impl.rms_norm(x, w, 1e-6, torch.bfloat16) if narrow else impl.rms_norm(x, w, 1e-6).bfloat16()
+        y.backward(dy)
+        outs.append((y, x.grad, w.grad))
+    (y, dx, dw), (y2, dx2, dw2) = outs
+    assert y2.dtype == torch.bfloat16 and torch.equal(y, y2)
+    assert torch.equal(dx, dx2) and torch.equal(dw, dw2)

@@ -122,3 +122,35 @@ def test_rehearsal_compiles_the_step_ahead_and_leaves_no_trace(name, tmp_path):
         assert rel(got_state["grads"][n], g) <= max(4 * noise[n], 1e-2), (n, noise[n])
     assert all(torch.equal(a, b) for a, b in zip(got_state["loads"], want_state["loads"], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(got_state["rng"], want_state["rng"], strict=True))
+
+
+@pytest.mark.parametrize("doc", [None, 4096])  # one document, or 4k documents packed
+def test_a_long_row_rehearsed_on_a_slice_leaves_the_step_nothing_to_compile(doc, tmp_path):
+    """A row over twice REHEARSAL_SLICE is rehearsed on a shorter slice of it
+    (engine.training.step.rehearsal): the slice's specialisations are the row's, so the step
+    launches every kernel from the compile threads' cache."""
+    import triton
+
+    from engine.training.step import REHEARSAL_SLICE
+
+    model = model_of("kimi-linear-tiny", tmp_path / "m")
+    T = 2 * REHEARSAL_SLICE + 5000 + 3
+    g = torch.Generator().manual_seed(2)
+    sizes = [T] if doc is None else [doc] * (T // doc) + [T % doc]
+    docs = [torch.randint(3, 200, (n,), generator=g) for n in sizes]
+    compiles: list[str] = []
+
+    def listen(src, metadata, metadata_group, times, cache_hit):
+        import threading
+
+        compiles.append(f"{threading.current_thread().name}: {getattr(getattr(src, 'fn', None), '__name__', '?')}")
+
+    forget_kernels()
+    triton.knobs.compilation.listener = listen
+    try:
+        samples = [Sample(i, d, d.clone(), torch.zeros(0, 3, 1, 1)) for i, d in enumerate(docs)]
+        loss = accumulate(model, samples, 1, 0, T, Single(DEV), ahead=True)[0]
+        assert torch.isfinite(loss)
+    finally:
+        triton.knobs.compilation.listener = None
+    assert compiles and not [t for t in compiles if not t.startswith("kiln-compile")], compiles

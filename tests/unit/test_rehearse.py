@@ -140,3 +140,24 @@ def test_a_preference_step_rehearses_its_first_pair_and_runs_as_without(tmp_path
 def test_without_a_device_nothing_is_compiled_ahead():
     with compiling_ahead() as compiling:
         assert not compiling
+
+
+def test_a_long_row_is_rehearsed_on_a_slice_of_the_same_length_modulo_the_slice(tmp_path, monkeypatch):
+    model, batch, cp = setup(tmp_path)  # one packed row of two documents, 70 tokens
+    monkeypatch.setattr(step, "accelerator", Accelerated())
+    monkeypatch.setattr(step, "compiling_ahead", rehearsing)
+    seen: list[dict] = []
+    monkeypatch.setattr(step, "forward_backward", lambda m, b, *a: seen.append(b))
+    assert batch["input_ids_BT"].shape[1] == 70
+    for size, length in ((35, 70), (24, 24 + 70 % 24), (16, 16 + 70 % 16)):
+        monkeypatch.setattr(step, "REHEARSAL_SLICE", size)
+        assert step.rehearse(model, batch, CPU, cp)
+        got = seen.pop()
+        assert got.keys() == batch.keys() and got["pixels_NCHW"] is batch["pixels_NCHW"]
+        for k in ("input_ids_BT", "labels_BT", "doc_ids_BT", "positions_BT"):
+            assert torch.equal(got[k], batch[k][:, :length]), (size, k)
+    # images (their tokens would be cut from their pixels) and context-parallel slices: whole
+    monkeypatch.setattr(step, "REHEARSAL_SLICE", 16)
+    pictured = dict(batch, pixels_NCHW=torch.rand(1, 3, 2, 2))
+    assert step.rehearsal(pictured, None) is pictured
+    assert step.rehearsal(batch, object()) is batch

@@ -57,6 +57,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
+    def for_matmuls(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm for a block whose every reader of it is a matmul: in autocast's dtype where
+        autocast is on, written so by the norm (what ``autocast_input`` would make of the wide
+        result, without the wide copy and its cast, each way)."""
+        dev = x.device.type
+        wide = torch.promote_types(x.dtype, self.weight.dtype)
+        on = torch.is_autocast_enabled(dev) and wide != torch.float64
+        return rms_norm(x, self.weight, self.eps, torch.get_autocast_dtype(dev) if on else None)
+
 
 class GatedRMSNorm(RMSNorm):
     """kiln_kernels.norm.gated_rms_norm: the norm times sigmoid(gate), in x's dtype."""

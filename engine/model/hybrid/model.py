@@ -97,10 +97,11 @@ class HybridLayer(nn.Module):
         """Layer ``i``: attention, then the MLP, each reading its AttnRes site and adding its output
         to ``res``. Returns both outputs (FSDP's hooks need the block to return what it made).
         ``past`` (layers.Past): the documents continue earlier tokens."""
-        h = self.input_layernorm(res.input(2 * i))
+        h = self.input_layernorm.for_matmuls(res.input(2 * i))
         a = self.self_attn(h, cu, past) if self.kind == "kda" else self.self_attn(h, positions_BT, doc_ids_BT, past, cu)
         res.add(a)
-        m = self.mlp(self.post_attention_layernorm(res.input(2 * i + 1)))
+        x, norm = res.input(2 * i + 1), self.post_attention_layernorm  # an MoE's router reads the norm in fp32
+        m = self.mlp(norm(x) if isinstance(self.mlp, MoE) else norm.for_matmuls(x))
         res.add(m)
         return a, m
 

@@ -202,8 +202,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor, past: Past | None = None) -> torch.Tensor:
-        x = x_1TD + self.self_attn(self.input_layernorm(x_1TD), cu_seqlens, past)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x_1TD + self.self_attn(self.input_layernorm.for_matmuls(x_1TD), cu_seqlens, past)
+        norm = self.post_attention_layernorm  # an MoE's router reads the norm in fp32
+        return x + self.mlp(norm(x) if isinstance(self.mlp, MoE) else norm.for_matmuls(x))
 
 
 class KimiLinearCore(nn.Module):

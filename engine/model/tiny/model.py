@@ -104,8 +104,8 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cu: torch.Tensor, positions_BT: torch.Tensor | None, past: Past | None = None
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cu, positions_BT, past)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm.for_matmuls(x), cu, positions_BT, past)
+        return x + self.mlp(self.post_attention_layernorm.for_matmuls(x))
 
 
 class TinyCore(nn.Module):
