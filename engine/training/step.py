@@ -52,10 +52,11 @@ REHEARSAL_SLICE = 16384  # rows longer than twice this are rehearsed on a slice 
 def rehearsal(batch: dict, cp) -> dict:
     """What a first step rehearses of ``batch``: rows of T > 2 x REHEARSAL_SLICE tokens cut to their
     first ``REHEARSAL_SLICE + T % REHEARSAL_SLICE``. The pass's other work (cuBLAS, attention)
-    runs for real, about a second for each 40k tokens of a Kimi Linear row on the H200; the slice
-    names the same kernels with the same specialisations (Triton's: an integer's divisibility by
-    16 and whether it is 1), as the lengths and every count of blocks up to REHEARSAL_SLICE / 16
-    tokens agree modulo 16. A kernel the slice still misses compiles at its launch in the step.
+    runs for real, in time that grows with the row (at 128k tokens, by the step's split, seconds of
+    the first step); the slice names the same kernels with the same specialisations (Triton's: an
+    integer's divisibility by 16 and whether it is 1), as the lengths and every count of blocks of
+    up to REHEARSAL_SLICE / 16 tokens agree modulo 16. A kernel the slice still misses compiles at
+    its launch in the step (tests/gpu/test_rehearse_cuda.py checks a 37k-token row misses none).
     Images (their tokens would be cut from their pixels) and context-parallel slices are
     rehearsed whole."""
     T = batch["input_ids_BT"].shape[1]
