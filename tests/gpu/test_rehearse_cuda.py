@@ -6,6 +6,8 @@ as before it, bit for bit, and the step's loss and gradients those of the same s
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -38,6 +40,26 @@ def forget_kernels() -> int:
     return n
 
 
+@contextmanager
+def compiles_seen() -> Iterator[list[str]]:
+    """Triton's compiles while the block runs, each as "thread: kernel" (the rehearsal's run in
+    kiln_kernels.ahead's "kiln-compile" threads, a launch's in the thread that launched it)."""
+    import threading
+
+    import triton
+
+    seen: list[str] = []
+
+    def listen(src, metadata, metadata_group, times, cache_hit):
+        seen.append(f"{threading.current_thread().name}: {getattr(getattr(src, 'fn', None), '__name__', '?')}")
+
+    triton.knobs.compilation.listener = listen
+    try:
+        yield seen
+    finally:
+        triton.knobs.compilation.listener = None
+
+
 def model_of(name: str, folder):
     ensure_builtin(name, folder)
     model = load_base(folder)
@@ -63,16 +85,8 @@ def state(model) -> dict:
 
 @pytest.mark.parametrize("name", ["kiln-tiny", "kimi-linear-tiny", "kiln-hybrid-tiny"])
 def test_rehearsal_compiles_the_step_ahead_and_leaves_no_trace(name, tmp_path):
-    import triton  # only where there is a GPU
-
     model = model_of(name, tmp_path / name)
     ranks = Single(DEV)
-    compiles: list[str] = []
-
-    def listen(src, metadata, metadata_group, times, cache_hit):
-        import threading
-
-        compiles.append(f"{threading.current_thread().name}: {getattr(getattr(src, 'fn', None), '__name__', '?')}")
 
     def step(ahead: bool):
         torch.manual_seed(7)
@@ -88,8 +102,7 @@ def test_rehearsal_compiles_the_step_ahead_and_leaves_no_trace(name, tmp_path):
     want, want_state = step(False)
     _, again = step(False)  # the same step again: how far the backward's atomic sums move it (DSA)
     noise = {n: rel(again["grads"][n], g) for n, g in want_state["grads"].items()}
-    triton.knobs.compilation.listener = listen
-    try:
+    with compiles_seen() as compiles:
         assert forget_kernels()
         batch, cp, _ = ranks.batch(samples(), 0, 1024)
         torch.manual_seed(3)
@@ -109,8 +122,6 @@ def test_rehearsal_compiles_the_step_ahead_and_leaves_no_trace(name, tmp_path):
         assert compiles and not [t for t in compiles if not t.startswith("kiln-compile")], [
             t for t in compiles if not t.startswith("kiln-compile")
         ]
-    finally:
-        triton.knobs.compilation.listener = None
     # the same step: equal but for the order of the backward's atomic sums (the hybrid's DSA: a
     # second run without the rehearsal came out bit-equal in one try and 4e-3 away in another),
     # within bf16's tolerance (ARCHITECTURE.md); gradients the rehearsal had touched would be garbage
@@ -129,8 +140,6 @@ def test_a_long_row_rehearsed_on_a_slice_leaves_the_step_nothing_to_compile(doc,
     """A row over twice REHEARSAL_SLICE is rehearsed on a shorter slice of it
     (engine.training.step.rehearsal): the slice's specialisations are the row's, so the step
     launches every kernel from the compile threads' cache."""
-    import triton
-
     from engine.training.step import REHEARSAL_SLICE
 
     model = model_of("kimi-linear-tiny", tmp_path / "m")
@@ -138,19 +147,9 @@ def test_a_long_row_rehearsed_on_a_slice_leaves_the_step_nothing_to_compile(doc,
     g = torch.Generator().manual_seed(2)
     sizes = [T] if doc is None else [doc] * (T // doc) + [T % doc]
     docs = [torch.randint(3, 200, (n,), generator=g) for n in sizes]
-    compiles: list[str] = []
-
-    def listen(src, metadata, metadata_group, times, cache_hit):
-        import threading
-
-        compiles.append(f"{threading.current_thread().name}: {getattr(getattr(src, 'fn', None), '__name__', '?')}")
-
     forget_kernels()
-    triton.knobs.compilation.listener = listen
-    try:
+    with compiles_seen() as compiles:
         samples = [Sample(i, d, d.clone(), torch.zeros(0, 3, 1, 1)) for i, d in enumerate(docs)]
         loss = accumulate(model, samples, 1, 0, T, Single(DEV), ahead=True)[0]
         assert torch.isfinite(loss)
-    finally:
-        triton.knobs.compilation.listener = None
     assert compiles and not [t for t in compiles if not t.startswith("kiln-compile")], compiles
