@@ -16,6 +16,8 @@ Legend: N sequences of a step, L prompt tokens of a prefill, V vocabulary.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -161,11 +163,14 @@ class Decoder:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One token for every running choice."""
+        """One token for every running choice (on the CPU in one intra-op thread: ``one_thread``)."""
         if not self.running:
             return
         run = self.running
-        logits = self._forward([[c.ids[-1]] for c in run], [c.slot for c in run], [c.prompt.adapter for c in run], None)
+        with one_thread(self.device):
+            logits = self._forward(
+                [[c.ids[-1]] for c in run], [c.slot for c in run], [c.prompt.adapter for c in run], None
+            )
         self._take(run, logits)
         self.running = [c for c in run if c.finish is None]
 
@@ -226,6 +231,24 @@ class Decoder:
         self.free.append(c.slot)
         if reason is not None and self.emit is not None:
             self.emit(c.prompt, Chunk(c.index, piece, reason, len(c.ids)))
+
+
+@contextmanager
+def one_thread(device: torch.device) -> Iterator[None]:
+    """On the CPU, the block's ops in this thread alone, the thread count given back after: a
+    decode step's ops are a few rows each, too small to share out, and a second thread costs
+    each one its wait (on a 2-core VM a step took 2.1 ms in one thread and 2.7 ms in two, and two
+    moved more between runs: bench/RESULTS.md). Torch keeps the count per thread: a server's
+    other running threads keep theirs. Elsewhere nothing changes."""
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def sample(logits: torch.Tensor, choices: list[Choice]) -> list[int]:

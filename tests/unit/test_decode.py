@@ -496,3 +496,29 @@ def test_a_tokenizer_whose_later_text_rewrites_the_earlier_still_decodes_a_few_t
     c, pieces, decoded = _stream(models, tok, ids)
     assert c.finish == "length" and "".join(pieces)[1:] == tok.decode(ids)[1:] and c.text == tok.decode(ids)
     assert max(decoded[8 * 3 :]) <= 8  # after the rewrite (the whole: 4 tokens), a few tokens a step
+
+
+def test_a_cpu_decode_step_runs_in_one_thread_and_gives_the_count_back(models, monkeypatch):
+    """On the CPU a decode step's forward runs in one intra-op thread (its ops are a few rows);
+    the prefill keeps the process's threads, and so does the caller after each step, even a step
+    that fails."""
+    model, tok, tpl = setup(models, "kimi-linear-tiny")
+    seen: list[int] = []
+    real = model.hidden
+    monkeypatch.setattr(model, "hidden", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        dec = Decoder(model, tok, tpl, 2)
+        dec.ends = set()
+        dec.prefill([Prompt([5, 6, 7], None, None, Sampling(max_tokens=3, temperature=0))])
+        while dec.running:
+            dec.step()
+        assert seen == [2, 1, 1] and torch.get_num_threads() == 2
+        dec.prefill([Prompt([5, 6], None, None, Sampling(max_tokens=3, temperature=0))])
+        monkeypatch.setattr(model, "hidden", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of rows")))
+        with pytest.raises(RuntimeError, match="out of rows"):
+            dec.step()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
