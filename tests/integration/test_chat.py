@@ -276,19 +276,21 @@ def test_a_client_that_hangs_up_cancels_its_answer(served, stack, oai):
     def open_answers() -> int:
         return httpx.get(f"{stack.inference_url}/healthz").json()["open"]
 
-    # 8 choices of up to 4000 tokens: minutes of decoding on this CPU, unless all 8 end their turn
-    long = {"model": "kimi-linear-tiny", "messages": QUESTION, "max_tokens": 4000, "n": 8, "seed": 1}
+    # 8 choices of 2000 tokens, about 8 s of decoding on this CPU: kiln-tiny's greedy answer here
+    # is a loop without its end token (a random model's drawn answers end within a few hundred
+    # tokens, 1-2 s; kimi-linear-tiny's greedy one after 61); a cancel is seen within 4 s
+    long = {"model": "kiln-tiny", "messages": QUESTION, "max_tokens": 2000, "n": 8, "temperature": 0}
     stream = oai.chat.completions.create(**long, stream=True)
     next(iter(stream))
     assert open_answers() == 1
     stream.close()
-    wait_for(lambda: open_answers() == 0, timeout=10, what="the stream's answer to be cancelled")
+    wait_for(lambda: open_answers() == 0, timeout=4, what="the stream's answer to be cancelled")
     with stack.client(timeout=3) as c, ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(c.post, "/v1/chat/completions", json=long)  # not streamed: waits, then gives up
         wait_for(lambda: open_answers() == 1, timeout=3, interval=0.05, what="the answer to start")
         with pytest.raises(httpx.ReadTimeout):
             waiting.result()
-    wait_for(lambda: open_answers() == 0, timeout=10, what="the hung-up request's answer to be cancelled")
-    # their 8 slots each are free again: a short answer does not wait behind 2 x 8 x 4000 tokens
-    quick = ask(oai, "kimi-linear-tiny", max_tokens=4, temperature=0, timeout=20)
+    wait_for(lambda: open_answers() == 0, timeout=4, what="the hung-up request's answer to be cancelled")
+    # their 8 slots each are free again: a short answer does not wait behind 2 x 8 x 2000 tokens
+    quick = ask(oai, "kiln-tiny", max_tokens=4, temperature=0, timeout=20)
     assert quick.usage is not None and quick.usage.completion_tokens <= 4
