@@ -111,6 +111,7 @@ class Decoder:
             m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, nn.Linear)
         )
         self.cache = Cache(slots, self.device)
+        self.width = 0  # the hidden width, known after the first forward
         self.free = list(range(slots))
         self.running: list[Choice] = []
         self.ends = {tpl.end[0]}
@@ -132,6 +133,7 @@ class Decoder:
         routing = Routing(adapters, cu)
         with accelerator.autocast(self.device, self.autocast), routes(routing):
             h = self.model.hidden(flat, pixels, docs, positions, self.cache)
+        self.width = h.shape[-1]  # the model's hidden width, for ``one_thread``
         with accelerator.autocast(self.device, self.autocast):
             logits = self.model.lm_head(h[0, last])
         self.cache.advance()
@@ -163,11 +165,12 @@ class Decoder:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One token for every running choice (on the CPU in one intra-op thread: ``one_thread``)."""
+        """One token for every running choice (on the CPU a small step in one intra-op thread:
+        ``one_thread``)."""
         if not self.running:
             return
         run = self.running
-        with one_thread(self.device):
+        with one_thread(self.device, len(run) * self.width):
             logits = self._forward(
                 [[c.ids[-1]] for c in run], [c.slot for c in run], [c.prompt.adapter for c in run], None
             )
@@ -233,14 +236,18 @@ class Decoder:
             self.emit(c.prompt, Chunk(c.index, piece, reason, len(c.ids)))
 
 
+SMALL_STEP = 1024  # a decode step's rows x hidden width under which the CPU runs it in one thread
+
+
 @contextmanager
-def one_thread(device: torch.device) -> Iterator[None]:
-    """On the CPU, the block's ops in this thread alone, the thread count given back after: a
-    decode step's ops are a few rows each, too small to share out, and a second thread costs
-    each one its wait (on a 2-core VM a step took 2.1 ms in one thread and 2.7 ms in two, and two
-    moved more between runs: bench/RESULTS.md). Torch keeps the count per thread: a server's
-    other running threads keep theirs. Elsewhere nothing changes."""
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
+def one_thread(device: torch.device, rows_x_width: int) -> Iterator[None]:
+    """On the CPU, where ``rows_x_width`` is under SMALL_STEP, the block's ops in this thread
+    alone, the thread count given back after: such a step's ops are too small to share out, and
+    a second thread costs each one its wait. On a 2-core VM, a step of 8 rows took (one / two
+    threads) 2.1 / 2.6 ms at width 64, the same at 128, 3.3 / 3.0 at 192, 55 / 48 at 1024
+    (bench/RESULTS.md). Torch keeps the count per thread: a server's other running threads keep
+    theirs. Elsewhere nothing changes."""
+    threads = torch.get_num_threads() if device.type == "cpu" and rows_x_width < SMALL_STEP else 1
     if threads == 1:
         yield
         return

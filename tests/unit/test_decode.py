@@ -498,11 +498,14 @@ def test_a_tokenizer_whose_later_text_rewrites_the_earlier_still_decodes_a_few_t
     assert max(decoded[8 * 3 :]) <= 8  # after the rewrite (the whole: 4 tokens), a few tokens a step
 
 
-def test_a_cpu_decode_step_runs_in_one_thread_and_gives_the_count_back(models, monkeypatch):
-    """On the CPU a decode step's forward runs in one intra-op thread (its ops are a few rows);
-    the prefill keeps the process's threads, and so does the caller after each step, even a step
-    that fails."""
+def test_a_small_cpu_decode_step_runs_in_one_thread_and_gives_the_count_back(models, monkeypatch):
+    """On the CPU a decode step of few rows x a narrow width runs in one intra-op thread; the
+    prefill keeps the process's threads, and so does the caller after each step, even a step
+    that fails; a step over ``SMALL_STEP`` keeps them too."""
+    from engine.inference import decode
+
     model, tok, tpl = setup(models, "kimi-linear-tiny")
+    assert model.lm_head.in_features < decode.SMALL_STEP  # one row of it is a small step
     seen: list[int] = []
     real = model.hidden
     monkeypatch.setattr(model, "hidden", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
@@ -520,5 +523,10 @@ def test_a_cpu_decode_step_runs_in_one_thread_and_gives_the_count_back(models, m
         with pytest.raises(RuntimeError, match="out of rows"):
             dec.step()
         assert torch.get_num_threads() == 2
+        monkeypatch.setattr(model, "hidden", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+        monkeypatch.setattr(decode, "SMALL_STEP", model.lm_head.in_features)  # one row is no longer small
+        seen.clear()
+        dec.step()
+        assert seen == [2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
