@@ -103,7 +103,9 @@ def test_pause_frees_the_worker_and_resume_continues_exactly(stack, dataset):
         "model": "kiln-tiny",
         **dataset,
         "seed": 11,
-        "hyperparameters": {"n_epochs": 1, "batch_size": 4, "max_steps": 30, "checkpoint_interval": 1000},
+        # the whole epoch (60 steps), so that the pause is read before the end: the worker reads
+        # the job's row at most once a second, and the 26 steps after the 4th of 30 once ran inside it
+        "hyperparameters": {"n_epochs": 1, "batch_size": 4, "max_steps": 60, "checkpoint_interval": 1000},
     }
     with stack.client() as c:
         reference = finished(c, c.post("/v1/fine_tuning/jobs", json=body).json()["id"])
@@ -119,7 +121,7 @@ def test_pause_frees_the_worker_and_resume_continues_exactly(stack, dataset):
         assert finished(c, other["id"])["status"] == "succeeded"
         assert c.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["status"] == "paused"
         at = max(metric_steps(c, job["id"]))
-        assert 4 <= at < 30
+        assert 4 <= at < 60
         ckpts = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
         assert [k["step_number"] for k in ckpts] == [at]  # saved where it paused
         assert c.post(f"/v1/fine_tuning/jobs/{job['id']}/pause").json()["status"] == "paused"  # idempotent
