@@ -52,6 +52,7 @@ from torch import nn
 
 from bench.cuda_time import default_device
 from engine import device as accelerator
+from kiln_kernels import ahead
 
 SHAPE: dict[str, Any] = dict(
     vocab_size=163840,
@@ -272,7 +273,7 @@ class Compiles:
                 name = getattr(getattr(src, "fn", None), "__name__", "?")
                 self.count += 1
                 self.times[name] += times.total / 1e6
-                if not threading.current_thread().name.startswith("kiln-compile"):  # kiln_kernels.ahead's
+                if not threading.current_thread().name.startswith(ahead.THREADS):
                     self.at_launch.append(name)
 
         knobs.compilation.listener = listen

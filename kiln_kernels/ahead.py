@@ -26,13 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+THREADS = "kiln-compile"  # the compile threads' name prefix (a compile listener tells them apart)
+
 
 class _Pool(ThreadPoolExecutor):
     """Threads that compile a kernel and then build its launcher and load its binary on ``device``
     (what the kernel's first launch would do next, in turn)."""
 
     def __init__(self, threads: int, device: Any, driver: Any):
-        super().__init__(threads, thread_name_prefix="kiln-compile")
+        super().__init__(threads, thread_name_prefix=THREADS)
         self.device, self.driver = device, driver
 
     def submit(self, fn, /, *args, **kwargs):  # type: ignore[override]  # same call, the handles added

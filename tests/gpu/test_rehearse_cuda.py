@@ -19,6 +19,7 @@ from engine.model.registry import ensure_builtin, load_base
 from engine.training.ranks import Single
 from engine.training.step import accumulate, rehearse
 from kiln.spec import LoraSpec
+from kiln_kernels.ahead import THREADS
 from tests.tolerance import rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -43,7 +44,7 @@ def forget_kernels() -> int:
 @contextmanager
 def compiles_seen() -> Iterator[list[str]]:
     """Triton's compiles while the block runs, each as "thread: kernel" (the rehearsal's run in
-    kiln_kernels.ahead's "kiln-compile" threads, a launch's in the thread that launched it)."""
+    kiln_kernels.ahead's compile threads (names starting THREADS), a launch's in the thread that launched it)."""
     import threading
 
     import triton
@@ -109,7 +110,7 @@ def test_rehearsal_compiles_the_step_ahead_and_leaves_no_trace(name, tmp_path):
         before = state(model)
         assert rehearse(model, batch, DEV, cp)
         after = state(model)
-        assert compiles and all(t.startswith("kiln-compile") for t in compiles), compiles
+        assert compiles and all(t.startswith(THREADS) for t in compiles), compiles
         assert after["grads"].keys() == before["grads"].keys()
         assert all(torch.equal(after["grads"][n], g) for n, g in before["grads"].items())
         assert all(torch.equal(a, b) for a, b in zip(after["loads"], before["loads"], strict=True))
@@ -119,9 +120,8 @@ def test_rehearsal_compiles_the_step_ahead_and_leaves_no_trace(name, tmp_path):
         # it compiles as it launches; seen for the hybrid's norm backward)
         compiles.clear()
         got, got_state = step(True)
-        assert compiles and not [t for t in compiles if not t.startswith("kiln-compile")], [
-            t for t in compiles if not t.startswith("kiln-compile")
-        ]
+        late = [t for t in compiles if not t.startswith(THREADS)]
+        assert compiles and not late, late
     # the same step: equal but for the order of the backward's atomic sums (the hybrid's DSA: a
     # second run without the rehearsal came out bit-equal in one try and 4e-3 away in another),
     # within bf16's tolerance (ARCHITECTURE.md); gradients the rehearsal had touched would be garbage
@@ -152,4 +152,4 @@ def test_a_long_row_rehearsed_on_a_slice_leaves_the_step_nothing_to_compile(doc,
         samples = [Sample(i, d, d.clone(), torch.zeros(0, 3, 1, 1)) for i, d in enumerate(docs)]
         loss = accumulate(model, samples, 1, 0, T, Single(DEV), ahead=True)[0]
         assert torch.isfinite(loss)
-    assert compiles and not [t for t in compiles if not t.startswith("kiln-compile")], compiles
+    assert compiles and not [t for t in compiles if not t.startswith(THREADS)], compiles
