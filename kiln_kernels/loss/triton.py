@@ -55,10 +55,26 @@ def _ce_rows(logits_ptr, stride, labels_ptr, loss_ptr, hit_ptr, V, ignore_index,
         tl.store(base + cols, (g * scale).to(logits_ptr.dtype.element_ty), mask=cols < V)
 
 
+ROWS = 256  # a chunk's rows come in multiples of this where there are several (see _chunk)
+
+
 def _chunk(N: int, V: int, itemsize: int) -> int:
-    """Rows a chunk: as many as CHUNK_BYTES of logits hold, evened out (no small tail GEMM)."""
-    most = max(1, CHUNK_BYTES // (V * itemsize))
-    return -(-N // -(-N // most))
+    """Rows a chunk: as many as CHUNK_BYTES of logits hold, evened out, in multiples of ROWS where
+    the rows take several chunks (16 where fewer than ROWS rows fit).
+
+    - Whole tiles: cuBLAS runs the chunk's two vocabulary GEMMs in 192- and 256-row tiles, and the
+      evened 1,366-row chunks of an 8k step left a tenth of the last tiles empty. 1,536-row
+      chunks (five, and a 512-row tail) made the whole 8k step 2-3.5% faster (one document) and
+      2% (4k documents) on an H100, alternating runs (bench/RESULTS.md, 2026-12-06).
+    - Aligned slices: every chunk's slices of the per-row tensors start 16-byte aligned, as the
+      first's, so one compile of ``_ce_rows`` serves them all (the odd 1,619-row chunks of a 128k
+      row were a specialisation of their own, which a first step's rehearsal on a slice of the row
+      did not compile: 1.5 s of that first step)."""
+    most = max(16, CHUNK_BYTES // (V * itemsize))
+    step = ROWS if most >= ROWS else 16
+    most = most // step * step
+    even = -(-N // -(-N // most))
+    return min(N, -(-even // step) * step)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

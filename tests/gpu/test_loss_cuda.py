@@ -49,7 +49,8 @@ def test_matches_the_definition(N, D, V, dtype):
 def test_small_chunks_and_all_ignored(monkeypatch):
     from kiln_kernels.loss import triton as impl
 
-    monkeypatch.setattr(impl, "CHUNK_BYTES", 64 * 1000 * 4)  # at most 64 rows a chunk: five of 60
+    monkeypatch.setattr(impl, "CHUNK_BYTES", 64 * 1000 * 4)  # at most 64 rows a chunk: four of 64, one of 44
+    assert impl._chunk(300, 1000, 4) == 64
     h = torch.randn(300, 32, device=DEVICE, requires_grad=True)
     W = torch.randn(1000, 32, device=DEVICE, requires_grad=True)
     y = torch.randint(0, 1000, (300,), device=DEVICE)
@@ -65,6 +66,22 @@ def test_small_chunks_and_all_ignored(monkeypatch):
     loss, _ = impl.linear_cross_entropy(h, W, none)
     loss.backward()
     assert float(loss) == 0 and not h.grad.any() and not W.grad.any()
+
+
+def test_chunks_of_a_long_row_start_aligned_as_the_first():
+    """Several chunks: a multiple of ROWS rows each (whole GEMM tiles; each chunk's slices of the
+    labels, losses and hits start 16-byte aligned: one specialisation of the row kernel), within
+    CHUNK_BYTES, no more chunks than that allows."""
+    from kiln_kernels.loss import triton as impl
+
+    V = 163840
+    most = impl.CHUNK_BYTES // (V * 2)
+    for N in (16384, 16384 + 37, 131072, 131072 + 1, 1_000_000):
+        C = impl._chunk(N, V, 2)
+        chunks = -(-N // C)
+        assert C % impl.ROWS == 0 and C <= most and N - (chunks - 1) * C > 0
+        assert chunks == -(-N // (most // impl.ROWS * impl.ROWS))  # no more chunks than the most rows allow
+    assert impl._chunk(1000, V, 2) == 1000  # one chunk: as it is
 
 
 def test_the_forward_reads_nothing_back_from_the_device(monkeypatch):
