@@ -16,6 +16,8 @@ import functools
 import importlib
 import os
 import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -207,6 +209,29 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     if t.device.type != "cpu" or torch.device(device).type != "cuda":  # already there, or no copy engine
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)  # the pinned block is reused only after the copy
+
+
+TABLES = 16  # document tables kept (a step's few layouts, and the next step's if it repeats them)
+_tables: OrderedDict[tuple, Any] = OrderedDict()
+_tables_lock = threading.Lock()
+
+
+def document_table(key: tuple, build: Callable[[], Any]) -> Any:
+    """``build()`` once per ``key`` (the kernel's name, the documents' host offsets as a tuple, the
+    device): a step's layers, its recomputes and the next steps of the same layout share one table
+    (KDA's chunks, the convolution's document starts, attention's offsets) instead of each layer
+    building it on the host and copying it over while the GPU waits. The last TABLES are kept; the
+    kernels only read them."""
+    with _tables_lock:
+        if key in _tables:
+            _tables.move_to_end(key)
+            return _tables[key]
+    value = build()
+    with _tables_lock:
+        _tables[key] = value
+        while len(_tables) > TABLES:
+            _tables.popitem(last=False)
+    return value
 
 
 # Swap Core (engine/memory) sets this while a recomputed block runs. ``kept(name, fn)`` then keeps

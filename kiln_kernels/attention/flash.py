@@ -25,16 +25,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln_kernels.dispatch import kept, to_device
+from kiln_kernels.dispatch import document_table, kept, to_device
 
 aten = torch.ops.aten
 BF16_BACKEND = "sdpa"
 
 
 def _offsets(cu: torch.Tensor, device) -> tuple[torch.Tensor, int]:
-    """Host offsets -> int32 on the device (no host sync) and the longest document."""
+    """Host offsets -> int32 on the device (no host sync) and the longest document; made once for
+    a layout (``document_table``)."""
     cu = cu.to("cpu", torch.int32)
-    return to_device(cu, device), int(cu.diff().max()) if len(cu) > 1 else 0
+
+    def make() -> tuple[torch.Tensor, int]:
+        return to_device(cu, device), int(cu.diff().max()) if len(cu) > 1 else 0
+
+    return document_table(("attention offsets", tuple(cu.tolist()), torch.device(device)), make)
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kiln_kernels.conv.reference import EPS
-from kiln_kernels.dispatch import to_device
+from kiln_kernels.dispatch import document_table, to_device
 
 BT, BC = 32, 128  # a tile: tokens x channels (with the norm: x one group, padded to a power of 2)
 
@@ -194,6 +194,13 @@ def _starts(cu_seqlens: torch.Tensor | None, T: int, device) -> torch.Tensor | N
     computed on the device."""
     if cu_seqlens is None:
         return None
+    if cu_seqlens.device.type != "cpu":
+        return _make_starts(cu_seqlens, T, device)
+    key = ("conv starts", tuple(cu_seqlens.tolist()), T, torch.device(device))
+    return document_table(key, lambda: _make_starts(cu_seqlens, T, device))  # once for a step's layers
+
+
+def _make_starts(cu_seqlens: torch.Tensor, T: int, device) -> torch.Tensor:
     cu = to_device(cu_seqlens.to(torch.int64), device)
     doc = torch.searchsorted(cu, torch.arange(T, device=device), right=True) - 1
     return cu[doc.clamp_min(0)].to(torch.int32)

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln_kernels.dispatch import dot_precision, kept, to_device
+from kiln_kernels.dispatch import document_table, dot_precision, kept, to_device
 from kiln_kernels.kda.chunk_bwd import _dintra, _dlocal, _dstates
 from kiln_kernels.kda.chunk_fwd import _cumsum, _intra, _output, _solve, _states, _wu
 from kiln_kernels.kda.gate import _gated_cumsum, _gated_cumsum_bwd
@@ -51,7 +51,11 @@ from kiln_kernels.remake import save, saved
 
 def _chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each chunk's [first row, end), and [N + 1, 2]: each sequence's first chunk and first row
-    (then the totals)."""
+    (then the totals); made once for a layout (``document_table``)."""
+    return document_table(("kda chunks", tuple(cu), torch.device(device)), lambda: _make_chunks(cu, device))
+
+
+def _make_chunks(cu: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     spans, seq = [], [(0, 0)]
     for a, b in zip(cu, cu[1:], strict=False):
         spans += [(s, min(s + C, b)) for s in range(a, b, C)]

@@ -39,6 +39,24 @@ def test_the_cpu_takes_the_references(monkeypatch):
     assert dispatch.to_device(x, "cpu") is x
 
 
+def test_a_document_table_is_built_once_for_its_key_and_the_oldest_goes_first(monkeypatch):
+    monkeypatch.setattr(dispatch, "_tables", type(dispatch._tables)())
+    monkeypatch.setattr(dispatch, "TABLES", 2)
+    built = []
+
+    def table(n):
+        return dispatch.document_table(("t", n), lambda: built.append(n) or torch.tensor([n]))
+
+    first = table(1)
+    assert table(1) is first and built == [1]  # the layers of a step share it
+    table(2)
+    table(1)  # used last: 2 is now the oldest
+    table(3)
+    assert built == [1, 2, 3] and table(1) is first
+    table(2)
+    assert built == [1, 2, 3, 2]  # evicted, so made again
+
+
 def test_every_op_names_modules_that_exist():
     for op, entry in dispatch.OPS.items():
         for path in (entry.reference, entry.cuda, entry.npu):
