@@ -37,13 +37,15 @@ import argparse
 import datetime
 import functools
 import gc
+import gzip
 import json
 import logging
+import shutil
 import statistics
 import sys
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -289,7 +291,7 @@ class Compiles:
             "compiles": self.count,
             "compile_s": sum(self.times.values()),
             "slowest_compiles_s": {k: round(v, 2) for k, v in top},
-            "compiled_at_launch": self.at_launch,
+            "compiled_at_launch": dict(Counter(self.at_launch)),  # kernel: how many of its compiles
         }
 
 
@@ -549,6 +551,13 @@ def run_side(
                             with open(trace_file, "a") as f:
                                 f.write(f"\n## {side.name} {T} {layout} experts={with_experts}\n")
                                 f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+                                f.write("\nby the host's own time:\n")
+                                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+                            chrome = Path(trace_file).with_name(f"{side.name}-{T}-{layout}-{int(with_experts)}.json")
+                            prof.export_chrome_trace(str(chrome))
+                            with open(chrome, "rb") as src, gzip.open(f"{chrome}.gz", "wb") as dst:
+                                shutil.copyfileobj(src, dst)
+                            chrome.unlink()
                     if breakdown and DEV.type == "cuda":
                         res["peak_breakdown_gib"] = peak_breakdown(functools.partial(side.step, docs))
                 except torch.OutOfMemoryError as e:
@@ -570,7 +579,12 @@ def main() -> None:
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--ckpt", default=".cache/e2e-kimi-linear-48b-5l")
     p.add_argument("--out", default="bench/results/e2e.json")
-    p.add_argument("--trace-file", default=None, help="each profiled step's kernel table, appended as text")
+    p.add_argument(
+        "--trace-file",
+        default=None,
+        help="each profiled step's tables by GPU and by host time, appended as text, and its chrome trace"
+        " (gzipped, beside it)",
+    )
     p.add_argument(
         "--memory-breakdown", action="store_true", help="CUDA: what is alive at a step's peak, by allocation site"
     )
