@@ -156,6 +156,12 @@ class Experts(nn.Module):
         return torch.zeros_like(x_ND).index_add_(0, tok, y.to(x_ND.dtype))
 
 
+def mlp_input(norm: RMSNorm, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The post-attention norm of x as the MLP block reads it: fp32 for an MoE (its router's
+    choice of experts must not round away), else in autocast's dtype (only matmuls read it)."""
+    return norm(x) if isinstance(mlp, MoE) else norm.for_matmuls(x)
+
+
 class MoE(nn.Module):
     """Routed experts plus shared experts. With ``latent``: y = W_up RMSNorm(experts(W_down x))
     + shared(x), the router still reading the full-width x (LatentMoE)."""

@@ -17,7 +17,7 @@ from engine.model.common.attnres import AttnResQueries, Residuals
 from engine.model.common.dsa import GatedDSAttention
 from engine.model.common.kda import KimiDeltaAttention
 from engine.model.common.layers import CausalLM, Past, RMSNorm, cu_seqlens, rows_end_to_end
-from engine.model.common.moe import MLP, MoE
+from engine.model.common.moe import MLP, MoE, mlp_input
 from engine.model.common.vision import VisionTower
 
 
@@ -100,8 +100,7 @@ class HybridLayer(nn.Module):
         h = self.input_layernorm.for_matmuls(res.input(2 * i))
         a = self.self_attn(h, cu, past) if self.kind == "kda" else self.self_attn(h, positions_BT, doc_ids_BT, past, cu)
         res.add(a)
-        x, norm = res.input(2 * i + 1), self.post_attention_layernorm  # an MoE's router reads the norm in fp32
-        m = self.mlp(norm(x) if isinstance(self.mlp, MoE) else norm.for_matmuls(x))
+        m = self.mlp(mlp_input(self.post_attention_layernorm, self.mlp, res.input(2 * i + 1)))
         res.add(m)
         return a, m
 

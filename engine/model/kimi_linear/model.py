@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.model.common.kda import KimiDeltaAttention
 from engine.model.common.layers import CausalLM, Past, RMSNorm, absorbed_kv_b, autocast_input, row_documents
-from engine.model.common.moe import MLP, MoE
+from engine.model.common.moe import MLP, MoE, mlp_input
 from kiln_kernels.attention import varlen_attention
 from kiln_kernels.dispatch import backend
 
@@ -203,8 +203,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x_1TD: torch.Tensor, cu_seqlens: torch.Tensor, past: Past | None = None) -> torch.Tensor:
         x = x_1TD + self.self_attn(self.input_layernorm.for_matmuls(x_1TD), cu_seqlens, past)
-        norm = self.post_attention_layernorm  # an MoE's router reads the norm in fp32
-        return x + self.mlp(norm(x) if isinstance(self.mlp, MoE) else norm.for_matmuls(x))
+        return x + self.mlp(mlp_input(self.post_attention_layernorm, self.mlp, x))
 
 
 class KimiLinearCore(nn.Module):
