@@ -37,10 +37,8 @@ import argparse
 import datetime
 import functools
 import gc
-import gzip
 import json
 import logging
-import shutil
 import statistics
 import sys
 import threading
@@ -553,11 +551,8 @@ def run_side(
                                 f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
                                 f.write("\nby the host's own time:\n")
                                 f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
-                            chrome = Path(trace_file).with_name(f"{side.name}-{T}-{layout}-{int(with_experts)}.json")
-                            prof.export_chrome_trace(str(chrome))
-                            with open(chrome, "rb") as src, gzip.open(f"{chrome}.gz", "wb") as dst:
-                                shutil.copyfileobj(src, dst)
-                            chrome.unlink()
+                            chrome = f"{side.name}-{T}-{layout}-{int(with_experts)}.json.gz"  # torch gzips it
+                            prof.export_chrome_trace(str(Path(trace_file).with_name(chrome)))
                     if breakdown and DEV.type == "cuda":
                         res["peak_breakdown_gib"] = peak_breakdown(functools.partial(side.step, docs))
                 except torch.OutOfMemoryError as e:
