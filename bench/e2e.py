@@ -254,11 +254,13 @@ def device_name() -> str:
 
 class Compiles:
     """Triton's compiles while it is on (its compilation listener): how many, their summed time
-    (the host's: a first step waits on each in turn) and the slowest, for the first step's split."""
+    (the host's: a first step waits on each in turn) and the slowest, for the first step's split;
+    and how many kernels were read from Triton's cache on disk instead (an earlier run's: a first
+    step with any is not a cold one)."""
 
     def __init__(self):
         self.times: dict[str, float] = defaultdict(float)
-        self.count = 0
+        self.count = self.cached = 0
         self.at_launch: list[str] = []  # compiled where a kernel launched, not ahead in the compile threads
 
     def __enter__(self):
@@ -269,6 +271,7 @@ class Compiles:
         self._knobs = knobs
 
         def listen(src, metadata, metadata_group, times, cache_hit):
+            self.cached += cache_hit
             if not cache_hit:
                 name = getattr(getattr(src, "fn", None), "__name__", "?")
                 self.count += 1
@@ -287,6 +290,7 @@ class Compiles:
         top = sorted(self.times.items(), key=lambda kv: -kv[1])[:8]
         return {
             "compiles": self.count,
+            "read_from_cache": self.cached,
             "compile_s": sum(self.times.values()),
             "slowest_compiles_s": {k: round(v, 2) for k, v in top},
             "compiled_at_launch": dict(Counter(self.at_launch)),  # kernel: how many of its compiles
@@ -572,8 +576,8 @@ def main() -> None:
     p.add_argument("--experts", choices=["no", "yes", "both"], default="both")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--ckpt", default=".cache/e2e-kimi-linear-48b-5l")
-    p.add_argument("--out", default="bench/results/e2e.json")
+    p.add_argument("--ckpt", help="default .cache/e2e-kimi-linear-48b-5l (--check: .cache/e2e-check)")
+    p.add_argument("--out", help="default bench/results/e2e.json (--check: .cache/e2e-check.json)")
     p.add_argument(
         "--trace-file",
         default=None,
@@ -591,7 +595,9 @@ def main() -> None:
         global DEV, DOC, LONG
         DEV, DOC, LONG = torch.device("cpu"), 64, 128
         SHAPE.update(TINY)
-    folder, out = Path(a.ckpt), Path(a.out)
+    # a check's tiny checkpoint and numbers go elsewhere: never where a real run reads or records
+    folder = Path(a.ckpt or (".cache/e2e-check" if a.check else ".cache/e2e-kimi-linear-48b-5l"))
+    out = Path(a.out or (".cache/e2e-check.json" if a.check else "bench/results/e2e.json"))
     build_checkpoint(folder)
     done = json.loads(out.read_text()) if out.exists() else {"rows": []}
     rows = {(r["tokens"], r["layout"], r["experts"]): r for r in done["rows"]}
@@ -636,6 +642,7 @@ def main() -> None:
             + (
                 f"{tps:>9.0f} tok/s  peak {res['peak_gib']:6.1f} GiB  first step {res['first_step_s']:.1f} s"
                 f" ({res['first_step_compiles']['compiles']} compiles,"
+                f" {res['first_step_compiles']['read_from_cache']} from the cache,"
                 f" at launch {res['first_step_compiles']['compiled_at_launch']})"
                 if tps
                 else res.get("error", "")
