@@ -15,9 +15,11 @@ forward + backward in MLA's plain form (H heads of qk 192, v 128) at the same T,
 Median of 3 timed calls after 1 (the backward: its forward untimed before each call). The gather
 path of earlier sessions (PyTorch's small ops) is in bench/RESULTS.md's history, not timed here.
 ``--previous FILE`` (an earlier copy of kiln_kernels/dsa/triton.py, e.g. ``git show
-REV:kiln_kernels/dsa/triton.py > /tmp/prev.py``): its attention forward and backward timed in the
-same run at each T, ``prev_fwd_ms`` / ``prev_bwd_ms``, and the largest difference of its output and
-gradients from today's (``prev_rel``: relative, the worst of o, dq, dkv).
+REV:kiln_kernels/dsa/triton.py > /tmp/prev.py``): its top-k, attention forward and backward timed
+in the same run at each T, ``prev_topk_ms`` / ``prev_fwd_ms`` / ``prev_bwd_ms``; the share of its
+index entries that are today's (``prev_topk_same``: 1 but for near-ties, summed in another order),
+and the largest difference of its output and gradients from today's (``prev_rel``: relative, the
+worst of o, dq, dkv).
 Writes bench/results/dsa.json: ``{"rows": [{"T", "fwd_tflops", "bwd_tflops", "topk_ms", "dsa_ms",
 "dense_ms", ...}], "device", "date", ...}``.
 """
@@ -117,9 +119,10 @@ def load_previous(path: Path | None):
     return module
 
 
-def against_previous(prev, args: tuple, do: torch.Tensor, leaves: list[torch.Tensor]) -> dict:
-    """The previous kernels' attention on the same inputs: its times, and how far its output and
-    gradients are from today's (relative, the worst of the three)."""
+def against_previous(prev, args: tuple, do: torch.Tensor, leaves: list[torch.Tensor], topk) -> dict:
+    """The previous kernels on the same inputs: their times; how far their attention's output and
+    gradients are from today's (relative, the worst of the three); the share of their top-k's
+    index entries that are today's (``topk``: today's top-k, a function of the module)."""
 
     def grads(module):
         for x in leaves:
@@ -132,6 +135,8 @@ def against_previous(prev, args: tuple, do: torch.Tensor, leaves: list[torch.Ten
     for x in leaves:
         x.grad = None
     return {
+        "prev_topk_ms": timed(lambda: topk(prev)),
+        "prev_topk_same": float((topk(prev) == topk(fused)).float().mean()),
         "prev_fwd_ms": timed(lambda: prev.sparse_attention(*args, True)),
         "prev_bwd_ms": backward_ms(lambda: prev.sparse_attention(*args, True)[0], do),
         "prev_rel": max(float((a - b).norm() / b.norm()) for a, b in zip(now, then, strict=True)),
@@ -153,8 +158,8 @@ def measure(a, T: int, prev=None) -> dict:
     scale = (128 + rope) ** -0.5
     starts = torch.zeros(1, T, dtype=torch.long, device=DEV)
 
-    def topk():
-        return fused.indexer_topk(qi[None].detach(), ki[None].detach(), w[None].detach(), starts, a.topk)
+    def topk(module=fused):
+        return module.indexer_topk(qi[None].detach(), ki[None].detach(), w[None].detach(), starts, a.topk)
 
     idx = topk()
 
@@ -175,7 +180,7 @@ def measure(a, T: int, prev=None) -> dict:
         "loss_ms": timed(lambda: loss().backward()),
     }
     if prev is not None:
-        ms.update(against_previous(prev, inputs, do, [q, kv]))
+        ms.update(against_previous(prev, inputs, do, [q, kv], topk))
     qd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
     kd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
     vd = torch.randn(1, H, T, 128, generator=g, **bf).requires_grad_()
@@ -201,7 +206,8 @@ def measure(a, T: int, prev=None) -> dict:
     )
     if prev is not None:
         print(
-            f"  previous kernels: fwd {ms['prev_fwd_ms']:.1f} ms, bwd {ms['prev_bwd_ms']:.1f} ms (today's at "
+            f"  previous kernels: top-k {ms['prev_topk_ms']:.1f} ms ({ms['prev_topk_same']:.4f} of its entries "
+            f"today's), fwd {ms['prev_fwd_ms']:.1f} ms, bwd {ms['prev_bwd_ms']:.1f} ms (today's at "
             f"{ms['prev_fwd_ms'] / ms['fwd_ms']:.2f}x and {ms['prev_bwd_ms'] / ms['bwd_ms']:.2f}x their speed); "
             f"outputs and gradients within {ms['prev_rel']:.1e} of theirs",
             flush=True,

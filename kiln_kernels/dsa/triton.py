@@ -2,10 +2,12 @@
 the indexer's top-k and without gathered copies of the keys.
 
 - ``indexer_topk``: one kernel scores a block of queries against a block of keys (the index
-  heads looped inside, ReLU and weights fused) and writes each score with its key position as
-  one sortable int64 (order-preserving float bits above, the complemented position below), so
-  ``torch.topk`` on it is exact and breaks ties to the earlier key, as the reference does. Queries
-  go in chunks of at most 2 GiB of keys; only keys up to the chunk's last query are scored.
+  heads looped inside, ReLU and weights fused) and writes each score as an int32 in the scores'
+  order (its fp32 bits, the negative ones' flipped); ``torch.topk`` gives each row's k-th best
+  value only, and a second kernel walks the row once, taking every key above it and the earliest
+  keys at it (ties go to the earlier key, as the reference's), into the index list in descending
+  position. Queries go in chunks of at most 2 GiB of order keys; only keys up to the chunk's last
+  query are scored.
 - ``sparse_attention``: flash attention over each query's index list. Forward: a program per
   (query, key head, block of its query heads), online softmax over blocks of gathered keys; where
   the values are a view of the keys' first dims (MLA's absorbed latent, ``shared_values``), they
@@ -37,7 +39,7 @@ import triton.language as tl
 
 from kiln_kernels.dispatch import dot_precision, kept
 
-NONE = -(2**63)  # the sort key of a key a query may not see
+NONE: tl.constexpr = tl.constexpr(-(2**31))  # the order key of a key a query may not see
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -85,8 +87,9 @@ def _index_keys(
     BN: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    """Sort keys of queries [t0, t1) against keys [0, t1 + S - T): the queries are the last T of
-    the S keys (S = T but under context parallel)."""
+    """Order keys of queries [t0, t1) against keys [0, t1 + S - T) (the queries are the last T of
+    the S keys: S = T but under context parallel): each score's fp32 bits as an int32 in the
+    scores' order, ``NONE`` where the key may not be seen."""
     pm, pn, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = t0 + pm * BM + tl.arange(0, BM)
     cols = pn * BN + tl.arange(0, BN)
@@ -112,15 +115,46 @@ def _index_keys(
             w = tl.load(W + (b * T + rows).to(tl.int64) * J + j, mask=row_ok, other=0.0).to(tl.float32)
             dots = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
             acc += w[:, None] * tl.maximum(dots, 0.0)
-    acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 would sort below +0.0
+    acc = tl.where(acc == 0.0, 0.0, acc)  # -0.0 would order below +0.0
     bits = acc.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     allowed = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None] + S - T)
-    none = tl.full([BM, BN], -2147483648, tl.int32).to(tl.int64) << 32
-    key = tl.where(allowed, key, none)
+    key = tl.where(allowed, key, NONE)
     out = OUT + (b * (t1 - t0) + rows[:, None] - t0).to(tl.int64) * width + cols[None, :]
     tl.store(out, key, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _select(KEYS, KTH, EQUAL, STARTS, IDX, t0, t1, T, S, NK, BLOCK: tl.constexpr):
+    """A program per query of [t0, t1): its index list from its row of order keys. Taken: every
+    key above the row's k-th best (``KTH``), then the first ``EQUAL`` keys at it (ties go to the
+    earlier key), written in descending position, -1 after the last. A row with fewer allowed
+    keys than k has ``KTH`` = ``NONE``: every allowed key."""
+    r, b = tl.program_id(0), tl.program_id(1)
+    t = t0 + r
+    width = t1 + S - T
+    row = (b * (t1 - t0) + r).to(tl.int64)
+    kth = tl.load(KTH + row)
+    equal = tl.where(kth == NONE, 0, tl.load(EQUAL + row))
+    lo = tl.load(STARTS + b * T + t)
+    hi = t + S - T + 1  # the row's allowed keys: [lo, hi)
+    out = IDX + (b * T + t).to(tl.int64) * NK
+    total = tl.minimum(hi - lo, NK)  # the list's length: the lists run backwards from it
+    taken = 0
+    ties = 0
+    for c0 in range(lo // BLOCK * BLOCK, hi, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        v = tl.load(KEYS + row * width + cols, mask=(cols >= lo) & (cols < hi), other=NONE)
+        eq = ((v == kth) & (kth != NONE)).to(tl.int32)
+        tie_rank = ties + tl.cumsum(eq, 0) - eq  # ties before this key
+        take = ((v > kth) | ((eq > 0) & (tie_rank < equal))).to(tl.int32)
+        slot = taken + tl.cumsum(take, 0) - take  # in ascending position
+        tl.store(out + total - 1 - slot, cols, mask=take > 0)
+        taken += tl.sum(take, 0)
+        ties += tl.sum(eq, 0)
+    kk = total + tl.arange(0, BLOCK)
+    for k0 in range(0, NK - total, BLOCK):
+        tl.store(out + k0 + kk, -1, mask=k0 + kk < NK)
 
 
 def indexer_topk(
@@ -131,35 +165,25 @@ def indexer_topk(
     K = min(topk, S)
     q, k, w = q_BTJD.contiguous(), k_BSD.contiguous(), w_BTJ.contiguous()
     starts = starts_BT.to(torch.int32).contiguous()
-    idx = torch.full((B, T, K), -1, dtype=torch.int32, device=q.device)
-    BM, BN = 64, 64
-    rows = max(BM, (2**31 // 8) // (B * S) // BM * BM)  # queries per chunk: at most 2 GiB of sort keys
+    idx = torch.empty((B, T, K), dtype=torch.int32, device=q.device)
+    cfg = CONFIG["index"]
+    BM, BN = cfg["BM"], cfg["BN"]
+    rows = max(BM, (2**31 // 4) // (B * S) // BM * BM)  # queries per chunk: at most 2 GiB of order keys
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         width = t1 + S - T  # the keys these queries may see, at most
-        keys = torch.empty(B, t1 - t0, width, dtype=torch.int64, device=q.device)
+        keys = torch.empty(B, t1 - t0, width, dtype=torch.int32, device=q.device)
         grid = (triton.cdiv(t1 - t0, BM), triton.cdiv(width, BN), B)
         _index_keys[grid](
-            q,
-            k,
-            w,
-            starts,
-            keys,
-            t0,
-            t1,
-            T,
-            S,
-            DH**-0.5,
-            J=J,
-            DH=DH,
-            DH_PAD=_pow2(DH),
-            BM=BM,
-            BN=BN,
-            PREC=dot_precision(q),
+            q, k, w, starts, keys, t0, t1, T, S, DH**-0.5, J=J, DH=DH, DH_PAD=_pow2(DH), PREC=dot_precision(q), **cfg
         )
-        best = keys.topk(min(K, width), dim=-1, sorted=False).values
-        pos = torch.where(best == NONE, -1, 0x7FFFFFFF - (best & 0xFFFFFFFF)).to(torch.int32)
-        idx[:, t0:t1, : pos.shape[-1]] = pos.sort(-1, descending=True).values
+        if width > K:  # the k-th best key of each row, and how many of that value to take
+            best = keys.topk(K, dim=-1, sorted=False).values
+            kth = best.min(-1).values
+            equal = K - (best > kth[..., None]).sum(-1, dtype=torch.int32)
+        else:  # no row has more keys than k: every allowed key
+            kth = equal = torch.full((B, t1 - t0), NONE.value, dtype=torch.int32, device=q.device)
+        _select[(t1 - t0, B)](keys, kth.contiguous(), equal.contiguous(), starts, idx, t0, t1, T, S, K, BLOCK=1024)
     return idx
 
 
@@ -458,11 +482,14 @@ def _attn_weights(
 
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
 CONFIG = {
+    "index": dict(BM=128, BN=128, num_warps=8, num_stages=3),  # the top-k 1.8x 64 x 64's (H100, 64k)
     "fwd": dict(BH=64, EB=512, BK=32, num_warps=8),
     # values from the key tile: no value tile of their own, so 64 keys a block fit (bench.regs)
     "fwd shared": dict(BH=64, EB=512, BK=64, num_warps=8),
     "bwd": dict(BH=32, BK=32, num_warps=8),  # 64 heads: 311-385 KB of shared memory (bench.regs)
     "weights": dict(BH=16, BK=32, num_warps=4),
+    "kl fwd": dict(BK=32, num_warps=4),
+    "kl bwd": dict(BK=64, num_warps=4),  # the loss's forward + backward 1.3x 16 keys' (H100, 16k)
 }
 
 
@@ -493,6 +520,17 @@ def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor], 
         launch(t0, n, bufs, True)
         for out, buf, w in zip(outs, bufs, widths, strict=True):
             out.view(-1, w).index_add_(0, rows, buf.view(-1, w))
+
+
+def _row_dots(a: torch.Tensor, b: torch.Tensor, chunk_bytes: int = 2**30) -> torch.Tensor:
+    """(a * b).sum(-1) in fp32, a chunk of rows at a time: a and b whole in fp32 would take
+    16 GiB each at 128k tokens of 64 heads x 512."""
+    flat_a, flat_b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    out = torch.empty(flat_a.shape[0], dtype=torch.float32, device=a.device)
+    rows = max(1, chunk_bytes // (4 * a.shape[-1]))
+    for r in range(0, flat_a.shape[0], rows):
+        out[r : r + rows] = (flat_a[r : r + rows].float() * flat_b[r : r + rows].float()).sum(-1)
+    return out.view(a.shape[:-1])
 
 
 def shared_values(k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -578,7 +616,7 @@ class _SparseAttention(torch.autograd.Function):
         meta.update(E_PAD=_pow2(E), SHARED=shared)
         NK = idx.shape[-1]
         do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1)
+        delta = _row_dots(do, o)
         dq = torch.empty_like(q)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = None if shared else torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -782,9 +820,16 @@ def _kl_bwd(
     tl.store(DW + row, dw.to(DW.dtype.element_ty), mask=j < J)
 
 
-def _kl_meta(q):
+def _kl_meta(q, kernel: str) -> dict:
+    """The KL kernels' shapes and launch (CONFIG's, set for 64 index heads of bf16; 32 keys a
+    block at 32 heads or fewer; 16 for fp32's 64 heads, whose tiles take twice the registers)."""
     J, DH = q.shape[2], q.shape[3]
-    return dict(DH=DH, DH_PAD=_pow2(DH), J_PAD=_pow2(J), BK=32 if J <= 32 else 16, PREC=dot_precision(q))
+    cfg = dict(CONFIG[kernel])
+    if J <= 32:
+        cfg["BK"] = max(cfg["BK"], 32)
+    elif q.element_size() == 4:
+        cfg["BK"] = 16
+    return dict(DH=DH, DH_PAD=_pow2(DH), J_PAD=_pow2(J), PREC=dot_precision(q), **cfg)
 
 
 class _IndexerKL(torch.autograd.Function):
@@ -797,7 +842,9 @@ class _IndexerKL(torch.autograd.Function):
 
         def run():
             loss, lse, psum = (torch.empty(B, T, dtype=torch.float32, device=q.device) for _ in range(3))
-            _kl_fwd[(T, B)](q, k, w, idx, cnt, p, loss, lse, psum, T, idx.shape[-1], DH**-0.5, J=J, **_kl_meta(q))
+            _kl_fwd[(T, B)](
+                q, k, w, idx, cnt, p, loss, lse, psum, T, idx.shape[-1], DH**-0.5, J=J, **_kl_meta(q, "kl fwd")
+            )
             return loss, lse, psum
 
         loss, lse, psum = kept("indexer_kl", run)
@@ -833,7 +880,7 @@ class _IndexerKL(torch.autograd.Function):
                 t0,
                 tc,
                 J=J,
-                **_kl_meta(q),
+                **_kl_meta(q, "kl bwd"),
                 ORDERED=ordered,
             )
 

@@ -102,6 +102,46 @@ def test_topk_of_the_last_queries_against_earlier_keys(S, T, topk, packed):
     assert want.shape == last.shape and (last == want).float().mean() > 0.99  # fp32 sums: only near-ties may swap
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_topk_ties_go_to_the_earlier_key(packed):
+    """Scores on a coarse grid, exact in fp32 summed in any order: many keys tie (at 0 and above
+    it), and the kernel chooses exactly what the reference chooses, the earlier key of a tie."""
+    from kiln_kernels.dsa.triton import indexer_topk
+
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    B, T, J, DH = 1, 300, 4, 16
+    q = torch.randint(-1, 2, (B, T, J, DH), generator=g, device=DEVICE).float()
+    k = torch.randint(-1, 2, (B, T, DH), generator=g, device=DEVICE).float()
+    w = torch.randint(-2, 3, (B, T, J), generator=g, device=DEVICE).float() / 4
+    st = starts(B, T, packed)
+    want = R.indexer_topk(q.double(), k.double(), w.double(), st, 40)
+    scores = R.indexer_scores(q.double(), k.double(), w.double(), st)[0, -1]
+    assert scores[torch.isfinite(scores)].unique().numel() < 100  # ties: 300 keys on under 100 values
+    assert torch.equal(indexer_topk(q, k, w, st, 40), want)
+
+
+@gpu_only
+def test_topk_at_a_length_whose_scores_would_not_fit_the_device():
+    """T queries whose [T, T] fp32 scores alone would take more than the device's memory: the
+    top-k still runs, and sampled queries (the first, the last, some between) choose what the
+    float64 reference chooses for that query alone (its scores one [1, t + 1] row)."""
+    from kiln_kernels.dsa.triton import indexer_topk
+
+    total = torch.cuda.get_device_properties(DEVICE).total_memory
+    T = (int((total / 4) ** 0.5) // 4096 + 1) * 4096  # T * T * 4 bytes > the device's memory
+    q, k, w = indexer_inputs(1, T, 8, 32, torch.bfloat16, seed=7)
+    st = torch.zeros(1, T, dtype=torch.long, device=DEVICE)
+    idx = indexer_topk(q, k, w, st, 2048)
+    assert idx.shape == (1, T, 2048)
+    for t in [0, 1, 2047, 2048, T // 3, T // 2 + 5, T - 2, T - 1]:
+        want = R.indexer_topk(
+            q[:, t : t + 1].double(), k[:, : t + 1].double(), w[:, t : t + 1].double(), st[:, :1], 2048
+        )
+        got = idx[:, t : t + 1, : want.shape[-1]]
+        assert (idx[:, t, want.shape[-1] :] == -1).all()
+        assert (got == want).float().mean() > 0.99, t  # fp32 sums in another order: only near-ties may swap
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,H,G,D,E,topk,packed", ATTN)
 def test_sparse_attention_matches_the_reference(B, T, H, G, D, E, topk, packed, dtype):
