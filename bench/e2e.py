@@ -591,6 +591,7 @@ def main() -> None:
     a = p.parse_args()
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("engine.training.step").setLevel(logging.INFO)  # the rehearsal's time
+    logging.getLogger("kiln_kernels.ahead").setLevel(logging.INFO)  # its pass apart from its compiles
     if a.check:
         global DEV, DOC, LONG
         DEV, DOC, LONG = torch.device("cpu"), 64, 128
