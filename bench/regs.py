@@ -7,7 +7,7 @@ found before a device is lent.
     python3 -m bench.regs --tune   # and at bench.kda's and bench.dsa's candidate settings
 
 Shapes: Kimi Linear's KDA head (K = V = 128) and the hybrid's absorbed MLA for DSA (64 heads, q/k
-576, v 512), bf16 inputs, tf32 products where the kernels take them;
+576, v 512; its indexer 64 heads of 128), bf16 inputs, tf32 products where the kernels take them;
 the arguments carry the launcher's alignment hints (``aligned``). Prints a line per kernel and
 setting: registers a thread, spill stores and loads (bytes), the asynchronous copies
 (cp.async: loads the software pipeline issues ahead of their use) in the kernel's TTGIR, whether
@@ -17,6 +17,7 @@ its products run on wgmma, and the shared memory a block takes (over 227 KB it c
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -85,6 +86,7 @@ KERNELS = {
 
 
 MLA = dict(H=64, G=1, D=576, DA=512, DB=64, E=512, PREC="tf32")
+INDEXER = dict(J=64, DH=128, DH_PAD=128, PREC="tf32")  # the lightning indexer: 64 heads of 128
 ATTN = dict(Q=BF, Kk=BF, V=BF, IDX=I32, CNT=I32)
 GRADS = dict(DO=BF, LSE=F32, DELTA=F32)
 FWD = ATTN | dict(O=BF, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32")
@@ -98,6 +100,22 @@ KERNELS |= {
         dsa._attn_weights,
         dict(Q=BF, Kk=BF, IDX=I32, CNT=I32, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32"),
         {k: MLA[k] for k in ("H", "G", "D", "DA", "DB", "PREC")},
+    ),
+    "dsa index": (
+        dsa._index_keys,
+        dict(Q=BF, Kx=BF, W=BF, STARTS=I32, OUT=I32, t0="i32", t1="i32", T="i32", S="i32", scale="fp32"),
+        INDEXER,
+    ),
+    "dsa kl fwd": (
+        dsa._kl_fwd,
+        dict(Q=BF, Kx=BF, W=BF, IDX=I32, CNT=I32, P=F32, LOSS=F32, LSE=F32, PSUM=F32, T="i32", NK="i32", scale="fp32"),
+        INDEXER | dict(J_PAD=64),
+    ),
+    "dsa kl bwd": (
+        dsa._kl_bwd,
+        dict(Q=BF, Kx=BF, W=BF, IDX=I32, CNT=I32, P=F32, LSE=F32, PSUM=F32, GRAD=F32, DQ=BF, DK=F32, DW=BF)
+        | dict(T="i32", NK="i32", scale="fp32", inv_B="fp32", t0="i32", TC="i32"),
+        INDEXER | dict(J_PAD=64, ORDERED=False),
     ),
 }
 
@@ -125,7 +143,11 @@ def aligned(fn, args: dict) -> dict:
 
 def usage(kernel: str, launch: dict) -> str:
     fn, args, fixed = KERNELS[kernel]
-    constexprs = {**fixed, **{k: v for k, v in launch.items() if k not in ("num_warps", "num_stages")}}
+    constexprs = {  # a parameter's default where neither sets it (unbound, it would compile as None)
+        **{n: p.default for n, p in inspect.signature(fn.fn).parameters.items() if p.default is not p.empty},
+        **fixed,
+        **{k: v for k, v in launch.items() if k not in ("num_warps", "num_stages")},
+    }
     options = {k: launch[k] for k in ("num_warps", "num_stages") if k in launch}
     src = ASTSource(
         fn=fn,
