@@ -3,7 +3,7 @@ its parts timed apart, against dense causal FlashAttention (torch SDPA) at the s
 one run.
 
     python3 -m bench.dsa           # T = 8k..128k, top-k 2048, MLA absorbed: H 64, D 576, E 512, bf16
-    python3 -m bench.dsa --tune    # other block sizes of the attention kernels, at the first --seq
+    python3 -m bench.dsa --tune    # other settings of each kernel, at the first --seq
 
 A row per T: the lightning indexer's scores and top-k (64 index heads of 128; forward only, it
 has no gradient) ``topk_ms``; the sparse attention's forward (with the indexer's target, the
@@ -46,7 +46,15 @@ def timed(fn) -> float:
     return median_ms(fn, reps=3, warmup=1)
 
 
-CANDIDATES = {
+CANDIDATES = {  # each kernel's settings tried by --tune, each timed by the op that runs it (``tune``)
+    "index": [  # the top-k (its scoring kernel's tile)
+        dict(BM=128, BN=128, num_warps=8, num_stages=3),
+        dict(BM=64, BN=128, num_warps=8, num_stages=3),
+        dict(BM=64, BN=64, num_warps=4, num_stages=3),
+        dict(BM=64, BN=256, num_warps=8, num_stages=2),
+    ],
+    "kl fwd": [dict(BK=32, num_warps=4), dict(BK=16, num_warps=4), dict(BK=64, num_warps=4)],
+    "kl bwd": [dict(BK=64, num_warps=4), dict(BK=32, num_warps=4), dict(BK=16, num_warps=4)],
     "fwd shared": [  # the model's values are the keys' first dims: one value block, EB = E, always
         dict(BH=64, EB=512, BK=64, num_warps=8),
         dict(BH=64, EB=512, BK=32, num_warps=8),
@@ -65,31 +73,41 @@ CANDIDATES = {
 
 
 def tune(a) -> None:
-    """Each attention kernel's candidate block sizes at the first --seq, the others at their
-    defaults: the time of the whole attention (forward, target, backward)."""
+    """Each kernel's candidate settings at the first --seq, the others at their defaults, timed by
+    the op that runs it: the top-k (``index``), the whole attention (forward with the target, and
+    backward: ``fwd shared``, ``bwd``), the KL loss forward and backward (``kl fwd``, ``kl bwd``)."""
     T, H, D, E = a.seq[0], a.heads, 576, 512
     bf: dict[str, Any] = dict(device=DEV, dtype=torch.bfloat16)
     g = torch.Generator(device=DEV).manual_seed(0)
+    qi = torch.randn(1, T, a.index_heads, 128, generator=g, **bf).requires_grad_()
+    ki = torch.randn(1, T, 128, generator=g, **bf).requires_grad_()
+    w = (torch.randn(1, T, a.index_heads, generator=g, **bf) * a.index_heads**-0.5).requires_grad_()
+    starts = torch.zeros(1, T, dtype=torch.long, device=DEV)
     q = torch.randn(1, T, H, D, generator=g, **bf).requires_grad_()
     kv = torch.randn(1, T, 1, D, generator=g, **bf).requires_grad_()
     do = torch.randn(1, T, H, E, generator=g, **bf)
-    idx = fused.indexer_topk(
-        torch.randn(1, T, 8, 64, generator=g, **bf),
-        torch.randn(1, T, 64, generator=g, **bf),
-        torch.randn(1, T, 8, generator=g, **bf),
-        torch.zeros(1, T, dtype=torch.long, device=DEV),
-        a.topk,
-    )
+
+    def topk():
+        return fused.indexer_topk(qi.detach(), ki.detach(), w.detach(), starts, a.topk)
+
+    idx = topk()
+    target = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, True)[1].detach()
 
     def attn():
         o, _ = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, True)
         o.backward(do)
 
-    def timing() -> tuple[str, float]:
-        ms = timed(attn)
-        return f"{ms:.1f} ms", ms
+    ops = {"index": topk, "fwd shared": attn, "bwd": attn}
+    ops |= dict.fromkeys(["kl fwd", "kl bwd"], lambda: fused.indexer_kl_loss(qi, ki, w, idx, target).backward())
+    fastest = {}
+    for name, cands in CANDIDATES.items():
 
-    print(f"fastest: {sweep(fused.CONFIG, CANDIDATES, timing)}", flush=True)
+        def timing(op=ops[name]) -> tuple[str, float]:
+            ms = timed(op)
+            return f"{ms:.1f} ms", ms
+
+        fastest |= sweep(fused.CONFIG, {name: cands}, timing)
+    print(f"fastest: {fastest}", flush=True)
 
 
 def dims(a) -> tuple[int, int, int, int, int, int]:
@@ -222,7 +240,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--index-heads", type=int, default=64)
     ap.add_argument("--out", default="bench/results/dsa.json")
-    ap.add_argument("--tune", action="store_true", help="time other block sizes of the attention kernels instead")
+    ap.add_argument("--tune", action="store_true", help="time other settings of each kernel instead")
     ap.add_argument(
         "--previous", type=Path, default=None, help="an earlier copy of kiln_kernels/dsa/triton.py, timed too"
     )
