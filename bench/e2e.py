@@ -39,6 +39,7 @@ import functools
 import gc
 import json
 import logging
+import re
 import statistics
 import sys
 import threading
@@ -295,6 +296,18 @@ class Compiles:
             "slowest_compiles_s": {k: round(v, 2) for k, v in top},
             "compiled_at_launch": dict(Counter(self.at_launch)),  # kernel: how many of its compiles
         }
+
+
+def carried(done: dict, device: str) -> dict:
+    """The results file a run adds its rows to: as it was, but where its table (``rows``) is
+    another device's, that table (with its device, torch and date) moved under a key of its own,
+    ``previous_<device>_<date>``, and ``rows`` started afresh: a run never mixes two devices'
+    rows under one ``device``, nor drops the file's other keys."""
+    if not done.get("rows") or done.get("device") in (None, device):
+        return done
+    old = {k: done[k] for k in ("rows", "device", "torch", "date") if k in done}
+    key = re.sub(r"[^a-z0-9]+", "_", f"previous {old['device']} {old.get('date', '')}".lower()).strip("_")
+    return {**{k: v for k, v in done.items() if k not in old}, key: old, "rows": []}
 
 
 def peak_breakdown(step, top: int = 12) -> dict[str, float]:
@@ -600,7 +613,7 @@ def main() -> None:
     folder = Path(a.ckpt or (".cache/e2e-check" if a.check else ".cache/e2e-kimi-linear-48b-5l"))
     out = Path(a.out or (".cache/e2e-check.json" if a.check else "bench/results/e2e.json"))
     build_checkpoint(folder)
-    done = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    done = carried(json.loads(out.read_text()) if out.exists() else {"rows": []}, device_name())
     rows = {(r["tokens"], r["layout"], r["experts"]): r for r in done["rows"]}
 
     def record(key, side, res):
@@ -629,6 +642,7 @@ def main() -> None:
         out.write_text(
             json.dumps(
                 {
+                    **done,  # the file's other keys: earlier runs kept by hand, another device's table
                     "rows": sorted(rows.values(), key=lambda r: (r["experts"], r["tokens"], r["layout"])),
                     "device": device_name(),
                     "torch": torch.__version__,
@@ -636,6 +650,7 @@ def main() -> None:
                 },
                 indent=1,
             )
+            + "\n"
         )
         tps = res.get("tokens_per_s")
         print(
