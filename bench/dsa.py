@@ -99,7 +99,7 @@ def tune(a) -> None:
 
     ops = {"index": topk, "fwd shared": attn, "bwd": attn}
     ops |= dict.fromkeys(["kl fwd", "kl bwd"], lambda: fused.indexer_kl_loss(qi, ki, w, idx, target).backward())
-    fastest = {}
+    fastest: dict[str, dict] = {}
     for name, cands in CANDIDATES.items():
 
         def timing(op=ops[name]) -> tuple[str, float]:
