@@ -135,7 +135,7 @@ def _select(KEYS, KTH, EQUAL, STARTS, IDX, t0, t1, T, S, NK, BLOCK: tl.constexpr
     width = t1 + S - T
     row = (b * (t1 - t0) + r).to(tl.int64)
     kth = tl.load(KTH + row)
-    equal = tl.where(kth == NONE, 0, tl.load(EQUAL + row))
+    equal = tl.load(EQUAL + row)
     lo = tl.load(STARTS + b * T + t)
     hi = t + S - T + 1  # the row's allowed keys: [lo, hi)
     out = IDX + (b * T + t).to(tl.int64) * NK
@@ -182,7 +182,8 @@ def indexer_topk(
             kth = best.min(-1).values
             equal = K - (best > kth[..., None]).sum(-1, dtype=torch.int32)
         else:  # no row has more keys than k: every allowed key
-            kth = equal = torch.full((B, t1 - t0), NONE.value, dtype=torch.int32, device=q.device)
+            kth = torch.full((B, t1 - t0), NONE.value, dtype=torch.int32, device=q.device)
+            equal = torch.zeros_like(kth)
         _select[(t1 - t0, B)](keys, kth.contiguous(), equal.contiguous(), starts, idx, t0, t1, T, S, K, BLOCK=1024)
     return idx
 
@@ -821,8 +822,9 @@ def _kl_bwd(
 
 
 def _kl_meta(q, kernel: str) -> dict:
-    """The KL kernels' shapes and launch (CONFIG's, set for 64 index heads of bf16; 32 keys a
-    block at 32 heads or fewer; 16 for fp32's 64 heads, whose tiles take twice the registers)."""
+    """The KL kernels' shapes and launch (CONFIG's, set for 64 index heads of bf16; at least 32
+    keys a block at 32 heads or fewer; 16 for fp32's 64 heads, whose tiles take twice the
+    registers)."""
     J, DH = q.shape[2], q.shape[3]
     cfg = dict(CONFIG[kernel])
     if J <= 32:
