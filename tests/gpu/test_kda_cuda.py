@@ -131,7 +131,7 @@ def test_the_gate_inside_the_kernels(lower_bound, bias, trained, dtype):
     from kiln_kernels.kda import Gate, gate
     from kiln_kernels.kda import triton as fast
 
-    lens, H, K, V = [5, 70, 0, 130], 2, 32, 16
+    lens, H, K, V = [5, 40, 0, 70], 2, 32, 16
     cu = torch.tensor([0, *lens], device=DEVICE).cumsum(0)
     x = case(1, sum(lens), H, K, V, dtype, 11, False)
     g = torch.Generator(device=DEVICE).manual_seed(5)
