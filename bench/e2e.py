@@ -382,8 +382,11 @@ class Kiln:
         from engine.model.registry import load_base
         from engine.training.optim import optimizer
         from kiln.spec import LoraSpec
+        from kiln_kernels.ahead import start_compilers
 
         t0 = time.perf_counter()
+        if accelerator.accelerated(DEV):  # as the trainer: the first step's compile processes
+            start_compilers()  # start while the checkpoint loads
         self.model: Any = load_base(folder)
         apply_lora(
             self.model,

@@ -33,6 +33,7 @@ from engine.training.step import accumulate, dpo_accumulate, dpo_evaluate, evalu
 from kiln.dataset import DatasetError, Issue, LengthBound, method_takes
 from kiln.spec import JobSpec
 from kiln.tokenizer import chat_template, load_tokenizer
+from kiln_kernels.ahead import start_compilers
 
 
 class Trainer:
@@ -54,6 +55,8 @@ class Trainer:
         ensure_builtin(spec.model, model_dir)
         if not (model_dir / "config.json").exists():
             raise ValueError(f"base model {spec.model!r} has no weights in {model_dir}")
+        if accelerator.accelerated(self.ranks.device):  # they start while the checkpoint loads
+            start_compilers()  # (the first step's compiles: engine.training.step.rehearse)
         self.model = model = load_base(model_dir)
         if spec.parallel.cp_size > 1 and not getattr(model, "supports_context_parallel", False):
             raise ValueError(f"parallel.cp_size: {spec.model} has no context-parallel form yet; use 1")

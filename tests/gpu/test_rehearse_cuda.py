@@ -153,3 +153,37 @@ def test_a_long_row_rehearsed_on_a_slice_leaves_the_step_nothing_to_compile(doc,
         loss = accumulate(model, samples, 1, 0, T, Single(DEV), ahead=True)[0]
         assert torch.isfinite(loss)
     assert compiles and not [t for t in compiles if not t.startswith(THREADS)], compiles
+
+
+def test_on_a_cold_cache_the_compile_processes_make_every_compile(tmp_path):
+    """With start_compilers's processes (the trainer starts them before the checkpoint loads), a
+    rehearsal on an empty Triton cache hands each compile to a process: what the compile threads
+    then compile is read from the cache the processes filled, and the step after it compiles
+    nothing at a launch."""
+    import triton
+
+    from kiln_kernels import ahead
+
+    model = model_of("kimi-linear-tiny", tmp_path / "m")
+    cache = triton.knobs.cache.dir
+    triton.knobs.cache.dir = str(tmp_path / "cache")
+    try:
+        assert ahead.start_compilers(4)
+        forget_kernels()
+        hits: list[tuple[str, bool]] = []
+
+        def listen(src, metadata, metadata_group, times, cache_hit):
+            import threading
+
+            hits.append((threading.current_thread().name, cache_hit))
+
+        triton.knobs.compilation.listener = listen
+        try:
+            loss = accumulate(model, samples(), 1, 0, 1024, Single(DEV), ahead=True)[0]
+        finally:
+            triton.knobs.compilation.listener = None
+        assert torch.isfinite(loss)
+        assert ahead._processes is None  # shut down after the rehearsal
+        assert hits and all(t.startswith(THREADS) and hit for t, hit in hits), hits
+    finally:
+        triton.knobs.cache.dir = cache
