@@ -33,7 +33,7 @@ from engine.training.step import accumulate, dpo_accumulate, dpo_evaluate, evalu
 from kiln.dataset import DatasetError, Issue, LengthBound, method_takes
 from kiln.spec import JobSpec
 from kiln.tokenizer import chat_template, load_tokenizer
-from kiln_kernels.ahead import start_compilers
+from kiln_kernels.ahead import start_compilers, stop_compilers
 
 
 class Trainer:
@@ -284,3 +284,4 @@ def train(spec: JobSpec, store: Store, reporter: Reporter, mesh=None) -> TrainRe
             return Trainer(spec, store, reporter, Path(work), mesh).run()
         finally:
             gc.unfreeze()
+            stop_compilers()  # (a job that ended before its first step's rehearsal)

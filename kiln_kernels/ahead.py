@@ -93,6 +93,15 @@ def start_compilers(processes: int | None = None) -> bool:
     return True
 
 
+def stop_compilers() -> None:
+    """Shut ``start_compilers``'s processes down, where no rehearsal has (a job that ended before
+    its first step): their memory back at once."""
+    global _processes
+    if _processes is not None:
+        _processes.shutdown(wait=False, cancel_futures=True)
+        _processes = None
+
+
 def _child_start() -> None:
     for name in KERNEL_MODULES:
         try:
@@ -195,7 +204,6 @@ def compiling_ahead() -> Iterator[bool]:
     if not ok:  # (or a Triton whose launch takes other arguments than upstream 3.6's)
         yield False
         return
-    global _processes
     run = JITFunction.run
     pool = _Pool(min(32, os.cpu_count() or 1), device, driver, _processes)
     mode = _async_compile.AsyncCompileMode(pool, ignore_errors=True)
@@ -229,6 +237,4 @@ def compiling_ahead() -> Iterator[bool]:
     finally:
         JITFunction.run = run  # type: ignore[method-assign]
         pool.shutdown()
-        if _processes is not None:  # a process's first step is its one rehearsal: free their memory
-            _processes.shutdown(wait=False, cancel_futures=True)
-            _processes = None
+        stop_compilers()  # a process's first step is its one rehearsal: their memory back

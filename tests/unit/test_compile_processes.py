@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,3 +90,50 @@ def test_a_compile_made_in_a_spawned_process_is_read_from_the_cache(tmp_path):
     run = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert run.stdout.startswith("ok"), run.stdout
+
+
+def test_a_job_that_ends_before_its_first_step_stops_the_compile_processes(tmp_path):
+    """The trainer starts the compile processes before its checkpoint loads (on a GPU); a job that
+    fails before its first step's rehearsal used them still ends them (engine.train), here a
+    pool of one standing in for start_compilers's on this CPU machine."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import pytest
+
+    import engine
+    from engine.reporting import RecordingReporter
+    from kiln.dataset import DatasetError
+    from kiln.spec import JobSpec, LoraSpec
+    from kiln.store import LocalStore
+    from kiln_kernels import ahead
+
+    pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"))
+    assert pool.submit(int, "7").result() == 7
+    workers = [w.pid for w in pool._processes.values()]
+    ahead._processes = pool
+    sample = ROOT / "data" / "sample"
+    job = JobSpec(
+        job_id="ftjob-early-end",
+        model="kiln-tiny",
+        training_file=str(sample / "train.jsonl"),
+        images_file=str(sample / "images.zip"),
+        max_seq_len=40,  # every example is longer: the job fails as it reads the data
+        lora=LoraSpec(rank=4),
+    )
+    with pytest.raises(DatasetError):
+        engine.train(job, LocalStore(tmp_path), RecordingReporter())
+    assert ahead._processes is None
+    deadline = time.monotonic() + 30
+    while any(running(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(running(pid) for pid in workers)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (ended: gone, or a zombie its parent has not reaped yet;
+    the pool's own thread reaps it, so Process.join here may race it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
