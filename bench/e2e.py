@@ -19,7 +19,10 @@ Kiln packs them into one row as its trainer does, transformers takes them as a b
 ``--steps`` timed steps after the first (the first, with its compiles and autotuning, is
 reported apart as ``first_step_s``, with its Triton compiles: how many, their summed time and
 the slowest, ``first_step_compiles``); tokens/s from the median step; peak memory
-(the device's ``max_memory_allocated``, weights included) over the timed steps. Then one more step
+(the device's ``max_memory_allocated``, weights included) over the timed steps. Rows over LONG
+tokens run with each side's memory saving on (Kiln: Swap Core's selective recompute;
+transformers: gradient checkpointing); a shorter row that runs out of memory without it runs
+again with it, as a user would turn it on (the row's ``memory``). Then one more step
 under the torch profiler, its GPU time split by op class (``CLASSES``): the forward's ops by the
 module they run in, the backward's by the forward op that made them (autograd's sequence
 numbers), ``host gaps`` = the step's wall time the GPU was idle. ``--memory-breakdown`` (CUDA):
@@ -101,7 +104,7 @@ TINY = dict(
     linear_num_heads=4,
 )
 DOC = 4096
-LONG = 32768  # longer rows: Kiln recomputes (Swap Core), transformers checkpoints its layers
+LONG = 32768  # longer rows: Kiln recomputes (Swap Core), transformers checkpoints its layers (run_side)
 DEV = default_device()  # CUDA, else an Ascend NPU (--check: the CPU)
 TAG = "e2e::"
 CLASSES = ["KDA", "attention", "MoE", "projections + LoRA", "loss", "optimizer", "other"]
@@ -505,6 +508,60 @@ class HF:
             self.opt.zero_grad(set_to_none=True)
 
 
+def measure(
+    side, docs: list[torch.Tensor], steps: int, profile: bool, trace_file: str | None, breakdown: bool, name: str
+) -> dict:
+    """One row on ``side`` as it is set (its memory mode): the first step, ``steps`` timed steps,
+    then the profiled step (into ``trace_file`` under ``name``) and the peak's breakdown where asked."""
+    T = sum(len(d) for d in docs)
+    sync()
+    t0 = time.perf_counter()
+    with Compiles() as compiles:
+        side.step(docs)
+        sync()
+    first = time.perf_counter() - t0
+    reset_peak()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        side.step(docs)
+        sync()
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    res = {
+        "tokens_per_s": T / med,
+        "peak_gib": peak_gib(),
+        "step_s": med,
+        "memory": side.memory,
+        "first_step_s": first,
+        "first_step_compiles": compiles.report(),
+    }
+    if profile:
+        handles = side.tag()
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            t0 = time.perf_counter()
+            side.step(docs)
+            sync()
+            wall = (time.perf_counter() - t0) * 1e3
+        for h in handles:
+            h.remove()
+        res["split_ms"] = split_by_class(prof, wall)
+        res["profiled_step_ms"] = wall
+        if trace_file:
+            with open(trace_file, "a") as f:
+                f.write(f"\n## {name}\n")
+                f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+                f.write("\nby the host's own time:\n")
+                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
+            chrome = f"{name.replace(' ', '-')}.json.gz"  # torch gzips it
+            prof.export_chrome_trace(str(Path(trace_file).with_name(chrome)))
+    if breakdown and DEV.type == "cuda":
+        res["peak_breakdown_gib"] = peak_breakdown(functools.partial(side.step, docs))
+    return res
+
+
 def run_side(
     side_cls,
     folder: Path,
@@ -517,69 +574,31 @@ def run_side(
     trace_file: str | None,
     breakdown: bool = False,
 ) -> None:
+    """Each row on ``side_cls``: rows over LONG tokens with the side's memory saving on (Kiln's
+    recompute, transformers' gradient checkpointing); a shorter row that runs out of memory
+    without it runs again with it, as a user would turn it on."""
     first_done = False
     for with_experts in experts:
         side = side_cls(folder, with_experts)
         print(f"{side.name}: loaded (experts LoRA {with_experts}) in {side.load_s:.0f} s", flush=True)
         for T in tokens:
             for layout in layouts:
-                key = (T, layout, with_experts)
                 docs = batch_of(T, layout, T)
-                side.long_mode(T > LONG)
-                try:
-                    sync()
-                    t0 = time.perf_counter()
-                    with Compiles() as compiles:
-                        side.step(docs)
-                        sync()
-                    first = time.perf_counter() - t0
-                    reset_peak()
-                    times = []
-                    for _ in range(steps):
-                        t0 = time.perf_counter()
-                        side.step(docs)
-                        sync()
-                        times.append(time.perf_counter() - t0)
-                    peak = peak_gib()
-                    med = statistics.median(times)
-                    res = {
-                        "tokens_per_s": T / med,
-                        "peak_gib": peak,
-                        "step_s": med,
-                        "memory": side.memory,
-                        "first_step_s": first,
-                        "compiles_in_first": not first_done,
-                        "first_step_compiles": compiles.report(),
-                    }
-                    first_done = True
-                    if profile:
-                        handles = side.tag()
-                        with torch.profiler.profile(
-                            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-                        ) as prof:
-                            t0 = time.perf_counter()
-                            side.step(docs)
-                            sync()
-                            wall = (time.perf_counter() - t0) * 1e3
-                        for h in handles:
-                            h.remove()
-                        res["split_ms"] = split_by_class(prof, wall)
-                        res["profiled_step_ms"] = wall
-                        if trace_file:
-                            with open(trace_file, "a") as f:
-                                f.write(f"\n## {side.name} {T} {layout} experts={with_experts}\n")
-                                f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
-                                f.write("\nby the host's own time:\n")
-                                f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
-                            chrome = f"{side.name}-{T}-{layout}-{int(with_experts)}.json.gz"  # torch gzips it
-                            prof.export_chrome_trace(str(Path(trace_file).with_name(chrome)))
-                    if breakdown and DEV.type == "cuda":
-                        res["peak_breakdown_gib"] = peak_breakdown(functools.partial(side.step, docs))
-                except torch.OutOfMemoryError as e:
-                    res = {"tokens_per_s": None, "peak_gib": None, "error": f"out of memory: {str(e)[:160]}"}
-                side.opt.zero_grad(set_to_none=True)
-                free()
-                record(key, side.name, res)
+                for saving in [True] if T > LONG else [False, True]:
+                    side.long_mode(saving)
+                    try:
+                        name = f"{side.name} {T} {layout} experts={with_experts}"
+                        res = measure(side, docs, steps, profile, trace_file, breakdown, name)
+                        res["compiles_in_first"] = not first_done
+                        first_done = True
+                        break
+                    except torch.OutOfMemoryError as e:
+                        res = {"tokens_per_s": None, "peak_gib": None, "error": f"out of memory: {str(e)[:160]}"}
+                        res["memory"] = side.memory
+                    finally:
+                        side.opt.zero_grad(set_to_none=True)
+                        free()
+                record((T, layout, with_experts), side.name, res)
         del side
         free()
 
