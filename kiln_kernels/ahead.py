@@ -44,21 +44,6 @@ THREADS = "kiln-compile"  # the compile threads' name prefix (a compile listener
 log = logging.getLogger(__name__)
 
 
-KERNEL_MODULES = [  # what a compile process imports as it starts (every module with a Triton kernel)
-    f"kiln_kernels.{m}"
-    for m in (
-        "attnres.triton",
-        "conv.triton",
-        "dsa.triton",
-        "kda.chunk_bwd",
-        "kda.chunk_fwd",
-        "kda.gate",
-        "kda.tiles",
-        "loss.triton",
-        "moe.triton",
-        "norm.triton",
-    )
-]
 _processes: ProcessPoolExecutor | None = None  # start_compilers's, until a rehearsal has used them
 
 
@@ -103,7 +88,11 @@ def stop_compilers() -> None:
 
 
 def _child_start() -> None:
-    for name in KERNEL_MODULES:
+    """A compile process's start: every op's CUDA module (kiln_kernels.dispatch.OPS, and the
+    kernels they import), so that no compile waits for an import."""
+    from kiln_kernels.dispatch import OPS
+
+    for name in {op.cuda for op in OPS.values() if op.cuda}:
         try:
             importlib.import_module(name)
         except Exception:  # a module that does not import here is compiled by the threads
