@@ -3,7 +3,7 @@ its parts timed apart, against dense causal FlashAttention (torch SDPA) at the s
 one run.
 
     python3 -m bench.dsa           # T = 8k..128k, top-k 2048, MLA absorbed: H 64, D 576, E 512, bf16
-    python3 -m bench.dsa --tune    # other settings of each kernel, at the first --seq
+    python3 -m bench.dsa --tune    # other settings of each kernel (--tune "bwd dq, bwd": of those), at the first --seq
 
 A row per T: the lightning indexer's scores and top-k (64 index heads of 128; forward only, it
 has no gradient) ``topk_ms``; the sparse attention's forward (with the indexer's target, the
@@ -46,7 +46,8 @@ def timed(fn) -> float:
     return median_ms(fn, reps=3, warmup=1)
 
 
-CANDIDATES = {  # each kernel's settings tried by --tune, each timed by the op that runs it (``tune``)
+# each kernel's settings tried by --tune, each timed by the op that runs it (``tune``)
+CANDIDATES: dict[str, list] = {
     "index": [  # the top-k (its scoring kernel's tile)
         dict(BM=128, BN=128, num_warps=8, num_stages=3),
         dict(BM=64, BN=128, num_warps=8, num_stages=3),
@@ -61,13 +62,14 @@ CANDIDATES = {  # each kernel's settings tried by --tune, each timed by the op t
         dict(BH=64, EB=512, BK=64, num_warps=4),
         dict(BH=32, EB=512, BK=64, num_warps=8),
     ],
-    "bwd": [
-        dict(BH=32, BK=32, num_warps=8),
-        dict(BH=32, BK=16, num_warps=8),
-        dict(BH=16, BK=32, num_warps=4),
-        dict(BH=64, BK=16, num_warps=8, KT=True),  # 188 KB shared (bench.regs); KT=False: 340
-        dict(BH=64, BK=32, num_warps=8, KT=True),  # 224 KB
-        dict(BH=32, BK=32, num_warps=8, KT=True),
+    # the backward: dq's own launch (None: in the keys' launch), the keys' shares' launch
+    "bwd dq, bwd": [
+        (None, dict(BH=32, BK=32, num_warps=8)),
+        (None, dict(BH=32, BK=16, num_warps=8)),
+        (None, dict(BH=64, BK=16, num_warps=8, KT=True)),  # 188 KB shared (bench.regs); KT=False: 340
+        (dict(BH=64, BK=32, num_warps=8), dict(BH=64, BK=16, num_warps=8, KT=True)),  # 208 KB, 188 KB
+        (dict(BH=64, BK=16, num_warps=8), dict(BH=64, BK=16, num_warps=8, KT=True)),  # 172 KB, 188 KB
+        (dict(BH=64, BK=32, num_warps=8), dict(BH=64, BK=32, num_warps=8, KT=True)),  # 208 KB, 224 KB
     ],
 }
 
@@ -97,10 +99,12 @@ def tune(a) -> None:
         o, _ = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, True)
         o.backward(do)
 
-    ops = {"index": topk, "fwd shared": attn, "bwd": attn}
+    ops = {"index": topk, "fwd shared": attn, "bwd dq, bwd": attn}
     ops |= dict.fromkeys(["kl fwd", "kl bwd"], lambda: fused.indexer_kl_loss(qi, ki, w, idx, target).backward())
-    fastest: dict[str, dict] = {}
+    fastest: dict = {}
     for name, cands in CANDIDATES.items():
+        if a.tune and name not in a.tune:
+            continue
 
         def timing(op=ops[name]) -> tuple[str, float]:
             ms = timed(op)
@@ -240,12 +244,14 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--index-heads", type=int, default=64)
     ap.add_argument("--out", default="bench/results/dsa.json")
-    ap.add_argument("--tune", action="store_true", help="time other settings of each kernel instead")
+    ap.add_argument(
+        "--tune", nargs="*", metavar="KERNEL", help="time other settings of each kernel (or of those named) instead"
+    )
     ap.add_argument(
         "--previous", type=Path, default=None, help="an earlier copy of kiln_kernels/dsa/triton.py, timed too"
     )
     a = ap.parse_args()
-    if a.tune:
+    if a.tune is not None:
         return tune(a)
     H, D, E, J, Dh, _ = dims(a)
     print(
