@@ -104,7 +104,7 @@ TINY = dict(
     linear_num_heads=4,
 )
 DOC = 4096
-LONG = 32768  # longer rows: Kiln recomputes (Swap Core), transformers checkpoints its layers (run_side)
+LONG = 16384  # longer rows (32k and up): Kiln recomputes (Swap Core), transformers checkpoints its layers (run_side)
 DEV = default_device()  # CUDA, else an Ascend NPU (--check: the CPU)
 TAG = "e2e::"
 CLASSES = ["KDA", "attention", "MoE", "projections + LoRA", "loss", "optimizer", "other"]
