@@ -68,6 +68,7 @@ CANDIDATES: dict[str, list] = {
         (None, dict(BH=32, BK=16, num_warps=8)),
         (None, dict(BH=64, BK=16, num_warps=8, KT=True)),  # 188 KB shared (bench.regs); KT=False: 340
         (dict(BH=64, BK=32, num_warps=8), dict(BH=64, BK=16, num_warps=8, KT=True)),  # 208 KB, 188 KB
+        (dict(BH=64, BK=32, num_warps=8, num_stages=1), dict(BH=64, BK=16, num_warps=8, KT=True)),  # dq: 136 B spilled
         (dict(BH=64, BK=16, num_warps=8), dict(BH=64, BK=16, num_warps=8, KT=True)),  # 172 KB, 188 KB
         (dict(BH=64, BK=32, num_warps=8), dict(BH=64, BK=32, num_warps=8, KT=True)),  # 208 KB, 224 KB
     ],
