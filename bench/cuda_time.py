@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -32,21 +31,18 @@ def median_ms(call: Callable[[], object], reps: int, warmup: int) -> float:
     return statistics.median([device.elapsed_ms(DEV, call) for _ in range(reps)])
 
 
-def sweep(config: dict, candidates: Mapping[str, Sequence[Any]], timing: Callable[[], tuple[str, float]]) -> dict:
+def sweep(config: dict, candidates: dict[str, list[dict]], timing: Callable[[], tuple[str, float]]) -> dict[str, dict]:
     """Each kernel's candidate settings in ``config`` (a kernel module's launch table), the others
     at their defaults, printed with ``timing()``'s line; a setting that does not compile (shared
     memory, registers) says so. The defaults are back in place after it. Returns each kernel's
-    fastest setting (the least of ``timing()``'s number). A name of several kernels ("a, b")
-    takes candidates that set them together, a setting for each in turn (None: a launch left
-    out)."""
-    defaults = {k: v if v is None else dict(v) for k, v in config.items()}
-    best: dict[str, tuple[float, Any]] = {}
+    fastest setting (the least of ``timing()``'s number)."""
+    defaults = {k: dict(v) for k, v in config.items()}
+    best: dict[str, tuple[float, dict]] = {}
     try:
         for name, cands in candidates.items():
-            parts = name.split(", ")
             for cand in cands:
                 config.update(defaults)
-                config.update(zip(parts, cand, strict=True) if len(parts) > 1 else [(name, cand)])
+                config[name] = cand
                 try:
                     line, score = timing()
                 except Exception as err:

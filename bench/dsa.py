@@ -3,7 +3,7 @@ its parts timed apart, against dense causal FlashAttention (torch SDPA) at the s
 one run.
 
     python3 -m bench.dsa           # T = 8k..128k, top-k 2048, MLA absorbed: H 64, D 576, E 512, bf16
-    python3 -m bench.dsa --tune    # other settings of each kernel (--tune "bwd dq, bwd": of those), at the first --seq
+    python3 -m bench.dsa --tune    # other settings of each kernel (--tune bwd: of those named), at the first --seq
 
 A row per T: the lightning indexer's scores and top-k (64 index heads of 128; forward only, it
 has no gradient) ``topk_ms``; the sparse attention's forward (with the indexer's target, the
@@ -46,8 +46,7 @@ def timed(fn) -> float:
     return median_ms(fn, reps=3, warmup=1)
 
 
-# each kernel's settings tried by --tune, each timed by the op that runs it (``tune``)
-CANDIDATES: dict[str, list] = {
+CANDIDATES = {  # each kernel's settings tried by --tune, each timed by the op that runs it (``tune``)
     "index": [  # the top-k (its scoring kernel's tile)
         dict(BM=128, BN=128, num_warps=8, num_stages=3),
         dict(BM=64, BN=128, num_warps=8, num_stages=3),
@@ -62,15 +61,13 @@ CANDIDATES: dict[str, list] = {
         dict(BH=64, EB=512, BK=64, num_warps=4),
         dict(BH=32, EB=512, BK=64, num_warps=8),
     ],
-    # the backward: dq's own launch (None: in the keys' launch), the keys' shares' launch
-    "bwd dq, bwd": [
-        (None, dict(BH=32, BK=32, num_warps=8)),
-        (None, dict(BH=32, BK=16, num_warps=8)),
-        (None, dict(BH=64, BK=16, num_warps=8, KT=True)),  # 188 KB shared (bench.regs); KT=False: 340
-        (dict(BH=64, BK=32, num_warps=8), dict(BH=64, BK=16, num_warps=8, KT=True)),  # 208 KB, 188 KB
-        (dict(BH=64, BK=32, num_warps=8, num_stages=1), dict(BH=64, BK=16, num_warps=8, KT=True)),  # dq: 136 B spilled
-        (dict(BH=64, BK=16, num_warps=8), dict(BH=64, BK=16, num_warps=8, KT=True)),  # 172 KB, 188 KB
-        (dict(BH=64, BK=32, num_warps=8), dict(BH=64, BK=32, num_warps=8, KT=True)),  # 208 KB, 224 KB
+    "bwd": [
+        dict(BH=32, BK=32, num_warps=8),
+        dict(BH=32, BK=16, num_warps=8),
+        dict(BH=16, BK=32, num_warps=4),
+        dict(BH=64, BK=16, num_warps=8, KT=True),  # 188 KB shared (bench.regs); KT=False: 340
+        dict(BH=64, BK=32, num_warps=8, KT=True),  # 224 KB
+        dict(BH=32, BK=32, num_warps=8, KT=True),
     ],
 }
 
@@ -100,9 +97,9 @@ def tune(a) -> None:
         o, _ = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, True)
         o.backward(do)
 
-    ops = {"index": topk, "fwd shared": attn, "bwd dq, bwd": attn}
+    ops = {"index": topk, "fwd shared": attn, "bwd": attn}
     ops |= dict.fromkeys(["kl fwd", "kl bwd"], lambda: fused.indexer_kl_loss(qi, ki, w, idx, target).backward())
-    fastest: dict = {}
+    fastest: dict[str, dict] = {}
     for name, cands in CANDIDATES.items():
         if a.tune and name not in a.tune:
             continue

@@ -22,7 +22,6 @@ import os
 import re
 import subprocess
 import tempfile
-from typing import Any
 
 import triton
 import triton.language as tl
@@ -91,15 +90,12 @@ INDEXER = dict(J=64, DH=128, DH_PAD=128, PREC="tf32")  # the lightning indexer: 
 ATTN = dict(Q=BF, Kk=BF, V=BF, IDX=I32, CNT=I32)
 GRADS = dict(DO=BF, LSE=F32, DELTA=F32)
 FWD = ATTN | dict(O=BF, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32")
-ALONE = dsa.CONFIG["bwd dq"] is None
 BWD = ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32")
 KERNELS |= {
     "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False, WEIGHTS=False)),
     "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True, WEIGHTS=True)),  # the model's: the target inside
-    # the keys' shares, with dq where CONFIG has no launch of its own for it ("bwd dq")
-    "dsa bwd": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=False, GRAD_Q=ALONE)),
-    "dsa bwd shared": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=True, GRAD_Q=ALONE)),
-    "dsa bwd dq shared": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=True, GRAD_K=False)),
+    "dsa bwd": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=False)),
+    "dsa bwd shared": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=True)),
     "dsa weights": (
         dsa._attn_weights,
         dict(Q=BF, Kk=BF, IDX=I32, CNT=I32, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32"),
@@ -127,16 +123,9 @@ KERNELS |= {
 def settings(kernel: str, tune: bool) -> list[dict]:
     """The kernel's launch settings today (its module's CONFIG), then its bench's candidates."""
     name = kernel.removeprefix("dsa ")
-    config: dict[str, Any] = dsa.CONFIG if kernel != name else kda.CONFIG
-    candidates: dict[str, Any] = dsa_bench.CANDIDATES if kernel != name else kda_bench.CANDIDATES
+    config, candidates = (dsa.CONFIG, dsa_bench.CANDIDATES) if kernel != name else (kda.CONFIG, kda_bench.CANDIDATES)
     name = name if name in config else name.removesuffix(" shared")
-    tried: list = []
-    for joint, cands in candidates.items():
-        parts = joint.split(", ")  # a kernel tuned with others ("a, b"): its part of each
-        if name in parts:
-            tried += [c if len(parts) == 1 else c[parts.index(name)] for c in cands]
-    found = [config[name]] + ([c for c in tried if c != config[name]] if tune else [])
-    found = [c for i, c in enumerate(found) if c is not None and c not in found[:i]]  # None: no launch
+    found = [config[name]] + ([c for c in candidates.get(name, []) if c != config[name]] if tune else [])
     if kernel == "dsa fwd shared":  # the values from the key tile: one value block, E wide
         wide = [{**c, "EB": 512} for c in found]
         found = [c for i, c in enumerate(wide) if c not in wide[:i]]

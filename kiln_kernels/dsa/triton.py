@@ -31,9 +31,7 @@ so that no lane of the dot products is padding. fp32 inputs use IEEE dots.
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import Any
 
 import torch
 import triton
@@ -378,21 +376,17 @@ def _attn_bwd(
     ORDERED: tl.constexpr,
     SHARED: tl.constexpr,
     KT: tl.constexpr = False,
-    GRAD_Q: tl.constexpr = True,
-    GRAD_K: tl.constexpr = True,
 ):
     """A program per (query, key head, block of BH query heads), queries [t0, t0 + TC): the
-    probabilities and score gradients of a block of keys computed once for dq (``GRAD_Q``: summed
-    in registers, no atomics) and for the keys' and values' shares (``GRAD_K``: summed over the
-    block's heads, then one fp32 atomic add per key and head block). One launch with both, or
-    (``CONFIG["bwd dq"]``) one for each, each recomputing the probabilities: apart, neither holds
-    the other's registers, so 64 heads a block fit and every product runs on wgmma. ``ORDERED``:
-    each share written to its own slot of DK [B, TC, G, NHB, NK, D] and DV [.., E] instead, for a
-    sum in a fixed order afterwards. ``SHARED`` (the values are the keys' first E = DA dims):
-    values from the key tile, and dv added into dk's first dims, nothing into DV. ``KT``: the
-    keys' and values' shares as (q^T ds)^T and (do^T p)^T, so that q and do are only ever the
-    products' left operands: on Hopper one staged copy of each instead of two, which lets 64
-    heads a block fit in shared memory (``bench.regs``)."""
+    probabilities and score gradients of a block of keys computed once for dq (summed in
+    registers, no atomics) and for the keys' and values' shares (summed over the block's heads,
+    then one fp32 atomic add per key and head block). ``ORDERED``: each share written to its own
+    slot of DK [B, TC, G, NHB, NK, D] and DV [.., E] instead, for a sum in a fixed order
+    afterwards. ``SHARED`` (the values are the keys' first E = DA dims): values from the key
+    tile, and dv added into dk's first dims, nothing into DV. ``KT``: the keys' and values'
+    shares as (q^T ds)^T and (do^T p)^T, so that q and do are only ever the products' left
+    operands: on Hopper one staged copy of each instead of two, which lets 64 heads a block fit
+    in shared memory (``bench.regs``)."""
     t, bg, hb = t0 + tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
@@ -403,9 +397,8 @@ def _attn_bwd(
     da = tl.arange(0, DA)
     db = DA + tl.arange(0, DB)
     e = tl.arange(0, E_PAD)
-    if GRAD_Q:
-        dqa = tl.zeros([BH, DA], tl.float32)
-        dqb = tl.zeros([BH, DB], tl.float32)
+    dqa = tl.zeros([BH, DA], tl.float32)
+    dqb = tl.zeros([BH, DB], tl.float32)
     cnt = tl.load(CNT + b * T + t)
     for k0 in range(0, cnt, BK):
         kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
@@ -413,42 +406,39 @@ def _attn_bwd(
         v = ka if SHARED else _values(V, krow, ok, e, E)
         p, ds = _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC)
         dsc = ds.to(ka.dtype)
-        if GRAD_Q:
-            dqa += tl.dot(dsc, ka, input_precision=PREC)
-            dqb += tl.dot(dsc, kb, input_precision=PREC)
-        if GRAD_K:
-            if KT:
-                dv = tl.trans(tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PREC))
-                dka = tl.trans(tl.dot(tl.trans(qa), dsc, input_precision=PREC)) * scale
-                dkb = tl.trans(tl.dot(tl.trans(qb), dsc, input_precision=PREC)) * scale
-            else:
-                dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-                dka = tl.dot(tl.trans(dsc), qa, input_precision=PREC) * scale
-                dkb = tl.dot(tl.trans(dsc), qb, input_precision=PREC) * scale
-            if SHARED:
-                dka += dv
-            if ORDERED:
-                slot = (((b * TC + t - t0) * G + g) * NHB + hb).to(tl.int64) * NK + kk
-                tl.store(DK + slot[:, None] * D + da[None, :], dka, mask=ok[:, None])
-                tl.store(DK + slot[:, None] * D + db[None, :], dkb, mask=ok[:, None] & (db[None, :] < D))
-                if not SHARED:
-                    tl.store(DV + slot[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E))
-            else:
-                tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka, mask=ok[:, None], sem="relaxed")
+        dqa += tl.dot(dsc, ka, input_precision=PREC)
+        dqb += tl.dot(dsc, kb, input_precision=PREC)
+        if KT:
+            dv = tl.trans(tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PREC))
+            dka = tl.trans(tl.dot(tl.trans(qa), dsc, input_precision=PREC)) * scale
+            dkb = tl.trans(tl.dot(tl.trans(qb), dsc, input_precision=PREC)) * scale
+        else:
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+            dka = tl.dot(tl.trans(dsc), qa, input_precision=PREC) * scale
+            dkb = tl.dot(tl.trans(dsc), qb, input_precision=PREC) * scale
+        if SHARED:
+            dka += dv
+        if ORDERED:
+            slot = (((b * TC + t - t0) * G + g) * NHB + hb).to(tl.int64) * NK + kk
+            tl.store(DK + slot[:, None] * D + da[None, :], dka, mask=ok[:, None])
+            tl.store(DK + slot[:, None] * D + db[None, :], dkb, mask=ok[:, None] & (db[None, :] < D))
+            if not SHARED:
+                tl.store(DV + slot[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E))
+        else:
+            tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka, mask=ok[:, None], sem="relaxed")
+            tl.atomic_add(
+                DK + krow[:, None] * D + db[None, :], dkb, mask=ok[:, None] & (db[None, :] < D), sem="relaxed"
+            )
+            if not SHARED:
                 tl.atomic_add(
-                    DK + krow[:, None] * D + db[None, :], dkb, mask=ok[:, None] & (db[None, :] < D), sem="relaxed"
+                    DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E), sem="relaxed"
                 )
-                if not SHARED:
-                    tl.atomic_add(
-                        DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E), sem="relaxed"
-                    )
-    if GRAD_Q:
-        tl.store(DQ + qrow[:, None] * D + da[None, :], (dqa * scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
-        tl.store(
-            DQ + qrow[:, None] * D + db[None, :],
-            (dqb * scale).to(DQ.dtype.element_ty),
-            mask=h_ok[:, None] & (db[None, :] < D),
-        )
+    tl.store(DQ + qrow[:, None] * D + da[None, :], (dqa * scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(
+        DQ + qrow[:, None] * D + db[None, :],
+        (dqb * scale).to(DQ.dtype.element_ty),
+        mask=h_ok[:, None] & (db[None, :] < D),
+    )
 
 
 @triton.jit
@@ -492,15 +482,12 @@ def _attn_weights(
 
 
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
-CONFIG: dict[str, Any] = {
+CONFIG = {
     "index": dict(BM=128, BN=128, num_warps=8, num_stages=3),  # the top-k 1.8x 64 x 64's (H100, 64k)
     "fwd": dict(BH=64, EB=512, BK=32, num_warps=8),
     # values from the key tile: no value tile of their own, so 64 keys a block fit (bench.regs)
     "fwd shared": dict(BH=64, EB=512, BK=64, num_warps=8),
-    # the backward: dq and the keys' shares in one launch (``bwd``, 64 heads: 311-385 KB of shared
-    # memory, bench.regs), or dq apart (``bwd dq``, then ``bwd`` makes the keys' shares only)
-    "bwd": dict(BH=32, BK=32, num_warps=8),
-    "bwd dq": None,
+    "bwd": dict(BH=32, BK=32, num_warps=8),  # 64 heads: 311-385 KB of shared memory (bench.regs)
     "weights": dict(BH=16, BK=32, num_warps=4),
     "kl fwd": dict(BK=32, num_warps=4),
     "kl bwd": dict(BK=64, num_warps=4),  # the loss's forward + backward 1.3x 16 keys' (H100, 16k)
@@ -635,10 +622,10 @@ class _SparseAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = None if shared else torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         scale, scale2 = ctx.scale, ctx.scale * math.log2(math.e)
-        split = CONFIG["bwd dq"] is not None  # dq in a launch of its own, then the keys' shares
+        cfg = _bh(CONFIG["bwd"], H // G, q)
+        blocks = triton.cdiv(H // G, cfg["BH"])
 
-        def bwd(t0, tc, targets, ordered, cfg):
-            blocks = triton.cdiv(H // G, cfg["BH"])
+        def bwd(t0, tc, targets, ordered):
             _attn_bwd[(tc, B * G, blocks)](
                 q,
                 k,
@@ -662,11 +649,7 @@ class _SparseAttention(torch.autograd.Function):
                 ORDERED=ordered,
             )
 
-        if split:
-            bwd(0, T, [dk], False, {**_bh(CONFIG["bwd dq"], H // G, q), "GRAD_K": False})
-        cfg = {**_bh(CONFIG["bwd"], H // G, q), "GRAD_Q": not split}
-        launch = functools.partial(bwd, cfg=cfg)
-        _key_grads(launch, idx, G, [dk] if shared else [dk, dv], triton.cdiv(H // G, cfg["BH"]))
+        _key_grads(bwd, idx, G, [dk] if shared else [dk, dv], blocks)
         # shared: v's gradient is in dk (v a view of k, autograd adds nothing more for it)
         return dq, dk.to(k.dtype), None if dv is None else dv.to(v.dtype), None, None, None
 
