@@ -584,10 +584,10 @@ def run_side(
         for T in tokens:
             for layout in layouts:
                 docs = batch_of(T, layout, T)
+                name = f"{side.name} {T} {layout} experts={with_experts}"
                 for saving in [True] if T > LONG else [False, True]:
                     side.long_mode(saving)
                     try:
-                        name = f"{side.name} {T} {layout} experts={with_experts}"
                         res = measure(side, docs, steps, profile, trace_file, breakdown, name)
                         res["compiles_in_first"] = not first_done
                         first_done = True

@@ -77,6 +77,15 @@ def wait_for(predicate, timeout: float = 120, interval: float = 0.3, what: str =
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (ended: gone, or a zombie its parent has not reaped yet;
+    a pool's own thread may reap it, so Process.join in a test can race it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def unique() -> str:
     return uuid.uuid4().hex[:8]
 

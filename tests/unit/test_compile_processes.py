@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,6 +106,7 @@ def test_a_job_that_ends_before_its_first_step_stops_the_compile_processes(tmp_p
     from kiln.spec import JobSpec, LoraSpec
     from kiln.store import LocalStore
     from kiln_kernels import ahead
+    from tests.conftest import running, wait_for
 
     pool = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"))
     assert pool.submit(int, "7").result() == 7
@@ -124,16 +124,4 @@ def test_a_job_that_ends_before_its_first_step_stops_the_compile_processes(tmp_p
     with pytest.raises(DatasetError):
         engine.train(job, LocalStore(tmp_path), RecordingReporter())
     assert ahead._processes is None
-    deadline = time.monotonic() + 30
-    while any(running(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(running(pid) for pid in workers)
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` still runs (ended: gone, or a zombie its parent has not reaped yet;
-    the pool's own thread reaps it, so Process.join here may race it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    wait_for(lambda: not any(running(pid) for pid in workers), 30, 0.1, "the compile process to end")

@@ -22,6 +22,7 @@ from engine.reporting import RecordingReporter
 from kiln.dataset import DatasetError
 from kiln.spec import JobSpec, LoraSpec, MemorySpec, ParallelSpec
 from kiln.store import LocalStore
+from tests.conftest import running, wait_for
 from tests.parallel_worker import ROWS, build, n_targets, step_loss
 from tests.tolerance import rel
 
@@ -276,7 +277,6 @@ def test_a_killed_launcher_leaves_no_run_behind(tmp_path):
     """kill -9 of the process that called engine.train (a worker dying mid-job): the ranks stop
     by themselves, so the job's resumption elsewhere is the only run."""
     import signal
-    import time
 
     (tmp_path / "spec.json").write_text(
         job(
@@ -301,8 +301,5 @@ def test_a_killed_launcher_leaves_no_run_behind(tmp_path):
     assert ranks
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.time() + 20  # the job would train for minutes more
-    while time.time() < deadline and any(os.path.exists(f"/proc/{p}") for p in ranks):
-        time.sleep(0.5)
-    left = [p for p in ranks if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read()]
-    assert not left, f"ranks still running: {left}"
+    # the job would train for minutes more
+    wait_for(lambda: not any(running(int(p)) for p in ranks), 20, 0.5, f"ranks {ranks} to end")
