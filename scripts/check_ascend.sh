@@ -27,8 +27,9 @@ for arg in "$@"; do
   case "$arg" in
     --interpret)
       # 3.2's interpreter: these pass at their small fp32 shapes; ASCEND.md lists what it cannot
-      # run, and why (the one deselected: 3.2 reduces tl.argmax element by element, > 5 minutes)
-      TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider \
+      # run, and why (the one deselected: 3.2 reduces tl.argmax element by element, > 5 minutes).
+      # Two workers (pytest-xdist), one a core.
+      TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -n 2 -p no:cacheprovider \
         -p tests.ascend.interpreter_plugin -W ignore::RuntimeWarning \
         tests/gpu/test_norm_cuda.py tests/gpu/test_attnres_cuda.py tests/gpu/test_moe_triton.py \
         tests/gpu/test_conv_cuda.py tests/gpu/test_kda_cuda.py tests/gpu/test_dsa_cuda.py \
