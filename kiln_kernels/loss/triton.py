@@ -24,6 +24,7 @@ import triton.language as tl
 # but the former hold the 8k step's peak 0.75 GiB higher.
 CHUNK_BYTES = 512 << 20
 BLOCK, WARPS = 8192, 8  # columns a loop step and warps a row: within noise of the best (same sweep)
+# (a smaller vocabulary takes the power of two that holds it: the byte tokenizer's 263 take 512 lanes)
 
 
 @triton.jit
@@ -92,6 +93,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
         dW = torch.empty_like(W_VD) if ctx.needs_input_grad[1] else None
         C = _chunk(N, V, h_ND.element_size())
+        block = min(BLOCK, triton.next_power_of_2(V))
         buf = h_ND.new_empty(min(C, N), V)  # one chunk's logits, reused: a second chunk's would double the peak
         for t in range(0, N, C):
             h = h_ND[t : t + C]
@@ -105,7 +107,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 V,
                 ignore_index,
                 inv_n,
-                BLOCK=BLOCK,
+                BLOCK=block,
                 num_warps=WARPS,
             )
             if dh is not None:

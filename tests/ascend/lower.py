@@ -218,8 +218,8 @@ def cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
         _backward(kda.kda_chunk(q, k, v, raw, beta, K**-0.5, gate=kda.Gate(A.detach(), bias.detach())))
 
     def fused_loss():
-        h, W = _grad(r(256, 2304), r(4096, 2304))
-        _backward(loss.linear_cross_entropy(h, W, torch.randint(0, 4096, (256,)))[0])
+        h, W = _grad(r(256, 256), r(16384, 256))  # a vocabulary past BLOCK: the row kernel's real block
+        _backward(loss.linear_cross_entropy(h, W, torch.randint(0, 16384, (256,)))[0])
 
     def depth_attention():
         v, w = _grad(r(5, 2, 64, 2304), torch.randn(2304))
