@@ -6,22 +6,26 @@ one run.
     python3 -m bench.dsa --tune    # other settings of each kernel (--tune bwd: of those named), at the first --seq
 
 A row per T: the lightning indexer's scores and top-k (64 index heads of 128; forward only, it
-has no gradient) ``topk_ms``; the sparse attention's forward (with the indexer's target, the
-heads' averaged probabilities, as training asks for it) and its backward (gradients of q and of
-the shared latent rows) timed apart, as TFLOP/s: 2 T H K (D + E) forward and 2.5x that backward,
-K the selected keys a query; the indexer's KL loss, forward + backward, ``loss_ms``; the whole
-DSA layer (``dsa_ms``: top-k, attention forward + backward, loss) against dense causal SDPA
-forward + backward in MLA's plain form (H heads of qk 192, v 128) at the same T, ``dense_ms``.
-Median of 3 timed calls after 1 (the backward: its forward untimed before each call). The gather
+has no gradient) ``topk_ms``; the sparse attention's forward (as training runs it, with the
+indexer's inputs) and its backward (gradients of q and of the shared latent rows) timed apart,
+as TFLOP/s: 2 T H K (D + E) forward and 2.5x that backward, K the selected keys a query;
+``loss_ms``: what the indexer's KL loss adds to the training backward (the target's shares in
+the attention's walk, the loss's forward and backward: ``train_bwd_ms`` - ``bwd_ms``); the whole
+DSA layer (``dsa_ms``: top-k, forward, training backward) against dense causal SDPA forward +
+backward in MLA's plain form (H heads of qk 192, v 128) at the same T, ``dense_ms``. Median of
+3 timed calls after 1 (a backward: its forward untimed before each call). The gather
 path of earlier sessions (PyTorch's small ops) is in bench/RESULTS.md's history, not timed here.
 ``--previous FILE`` (an earlier copy of kiln_kernels/dsa/triton.py, e.g. ``git show
 REV:kiln_kernels/dsa/triton.py > /tmp/prev.py``): its top-k, attention forward and backward timed
-in the same run at each T, ``prev_topk_ms`` / ``prev_fwd_ms`` / ``prev_bwd_ms``; the share of its
+in the same run at each T, ``prev_topk_ms`` / ``prev_fwd_ms`` (its training forward: before
+2026-12-07 the kernels took ``with_weights`` and walked the keys twice for the target) /
+``prev_bwd_ms``; the share of its
 index entries that are today's (``prev_topk_same``: 1 but for near-ties, summed in another order),
 and the largest difference of its output and gradients from today's (``prev_rel``: relative, the
 worst of o, dq, dkv).
 Writes bench/results/dsa.json: ``{"rows": [{"T", "fwd_tflops", "bwd_tflops", "topk_ms", "dsa_ms",
-"dense_ms", ...}], "device", "date", ...}``.
+"dense_ms", ...}], "device", "date", ...}``, keeping the file's earlier runs (its keys that hold a
+dict).
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import inspect
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +97,11 @@ def tune(a) -> None:
         return fused.indexer_topk(qi.detach(), ki.detach(), w.detach(), starts, a.topk)
 
     idx = topk()
-    target = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, True)[1].detach()
+    target = random_target(idx, g)
 
     def attn():
-        o, _ = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, True)
-        o.backward(do)
+        o, loss = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, (qi, ki, w))
+        torch.autograd.backward([o, loss], [do, torch.ones_like(loss)])
 
     ops = {"index": topk, "fwd shared": attn, "bwd": attn}
     ops |= dict.fromkeys(["kl fwd", "kl bwd"], lambda: fused.indexer_kl_loss(qi, ki, w, idx, target).backward())
@@ -112,19 +118,34 @@ def tune(a) -> None:
     print(f"fastest: {fastest}", flush=True)
 
 
+def random_target(idx: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A target for the KL loss timed alone: random probabilities on each query's selected keys."""
+    logits = torch.randn(idx.shape, device=idx.device, generator=g).masked_fill(idx < 0, float("-inf"))
+    return torch.softmax(logits, -1)
+
+
+def training_attention(module, args: tuple, indexer: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention as training runs it, with the indexer's target: kernels before 2026-12-07
+    took ``with_weights`` (the target written by the forward), today's the indexer's inputs (the
+    target and the KL loss in the backward)."""
+    if "with_weights" in inspect.signature(module.sparse_attention).parameters:
+        return module.sparse_attention(*args, True)
+    return module.sparse_attention(*args, indexer)
+
+
 def dims(a) -> tuple[int, int, int, int, int, int]:
     """H query heads, D the absorbed query/key width, E the value width, J index heads of Dh, rope."""
     return a.heads, 576, 512, a.index_heads, 128, 64
 
 
-def backward_ms(forward, grad: torch.Tensor, reps: int = 3) -> float:
-    """The median time of a backward alone, each from a fresh forward run untimed before it."""
-    out = forward()
-    out.backward(grad)
+def backward_ms(forward, grads: list[torch.Tensor], reps: int = 3) -> float:
+    """The median time of a backward alone of ``forward()``'s outputs (a list, ``grads`` theirs),
+    each from a fresh forward run untimed before it."""
+    torch.autograd.backward(forward(), grads)
     times = []
     for _ in range(reps):
         fresh = forward()
-        times.append(accelerator.elapsed_ms(DEV, lambda: fresh.backward(grad)))  # noqa: B023 (called at once)
+        times.append(accelerator.elapsed_ms(DEV, lambda: torch.autograd.backward(fresh, grads)))  # noqa: B023
     return statistics.median(times)
 
 
@@ -139,7 +160,7 @@ def load_previous(path: Path | None):
     return module
 
 
-def against_previous(prev, args: tuple, do: torch.Tensor, leaves: list[torch.Tensor], topk) -> dict:
+def against_previous(prev, args: tuple, indexer: tuple, do: torch.Tensor, leaves: list[torch.Tensor], topk) -> dict:
     """The previous kernels on the same inputs: their times; how far their attention's output and
     gradients are from today's (relative, the worst of the three); the share of their top-k's
     index entries that are today's (``topk``: today's top-k, a function of the module)."""
@@ -147,7 +168,7 @@ def against_previous(prev, args: tuple, do: torch.Tensor, leaves: list[torch.Ten
     def grads(module):
         for x in leaves:
             x.grad = None
-        o = module.sparse_attention(*args, True)[0]
+        o = training_attention(module, args, indexer)[0]
         o.backward(do)
         return [o.detach().float()] + [x.grad.float() for x in leaves]
 
@@ -157,8 +178,8 @@ def against_previous(prev, args: tuple, do: torch.Tensor, leaves: list[torch.Ten
     return {
         "prev_topk_ms": timed(lambda: topk(prev)),
         "prev_topk_same": float((topk(prev) == topk(fused)).float().mean()),
-        "prev_fwd_ms": timed(lambda: prev.sparse_attention(*args, True)),
-        "prev_bwd_ms": backward_ms(lambda: prev.sparse_attention(*args, True)[0], do),
+        "prev_fwd_ms": timed(lambda: training_attention(prev, args, indexer)),
+        "prev_bwd_ms": backward_ms(lambda: [training_attention(prev, args, indexer)[0]], [do]),
         "prev_rel": max(float((a - b).norm() / b.norm()) for a, b in zip(now, then, strict=True)),
     }
 
@@ -184,23 +205,21 @@ def measure(a, T: int, prev=None) -> dict:
     idx = topk()
 
     inputs = (q[None], kv[None, :, None], kv[None, :, None, :E], idx, scale)
+    indexer = (qi[None], ki[None], w[None])
 
     def attention():
-        return fused.sparse_attention(*inputs, True)
+        return list(fused.sparse_attention(*inputs, indexer))
 
-    target = attention()[1].detach()
-
-    def loss():
-        return fused.indexer_kl_loss(qi[None], ki[None], w[None], idx, target)
-
+    one = torch.ones((), device=DEV)
     ms = {
         "topk_ms": timed(topk),
         "fwd_ms": timed(attention),
-        "bwd_ms": backward_ms(lambda: attention()[0], do),
-        "loss_ms": timed(lambda: loss().backward()),
+        "bwd_ms": backward_ms(lambda: attention()[:1], [do]),  # the output's alone: no target, no loss
+        "train_bwd_ms": backward_ms(attention, [do, one]),
     }
+    ms["loss_ms"] = ms["train_bwd_ms"] - ms["bwd_ms"]
     if prev is not None:
-        ms.update(against_previous(prev, inputs, do, [q, kv], topk))
+        ms.update(against_previous(prev, inputs, indexer, do, [q, kv], topk))
     qd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
     kd = torch.randn(1, H, T, 192, generator=g, **bf).requires_grad_()
     vd = torch.randn(1, H, T, 128, generator=g, **bf).requires_grad_()
@@ -208,7 +227,7 @@ def measure(a, T: int, prev=None) -> dict:
     dense = timed(lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).backward(dod))
     keys = float((idx >= 0).sum()) / T
     flops = 2 * T * H * keys * (D + E)  # the forward's; the backward's 2.5x
-    dsa = ms["topk_ms"] + ms["fwd_ms"] + ms["bwd_ms"] + ms["loss_ms"]
+    dsa = ms["topk_ms"] + ms["fwd_ms"] + ms["train_bwd_ms"]
     row = {
         "T": T,
         "fwd_tflops": flops / ms["fwd_ms"] / 1e9,
@@ -262,7 +281,11 @@ def main() -> None:
     rows: list[dict] = []
     prev = load_previous(a.previous)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    done = {
+    out = Path(a.out)
+    earlier = json.loads(out.read_text()) if out.exists() else {}
+    done: dict[str, Any] = {k: v for k, v in earlier.items() if isinstance(v, dict)}  # earlier runs, by key
+    done |= {
+        "command": "python3 -m bench.dsa " + " ".join(sys.argv[1:]),
         "device": accelerator.name(DEV),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
@@ -274,7 +297,7 @@ def main() -> None:
     }
     for T in a.seq:  # written after each length: a later one running out of memory keeps the rows before
         rows.append(measure(a, T, prev))
-        Path(a.out).write_text(json.dumps(done, indent=2))
+        out.write_text(json.dumps(done, indent=2))
         accelerator.empty_cache(DEV)
 
 

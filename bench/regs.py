@@ -89,18 +89,15 @@ MLA = dict(H=64, G=1, D=576, DA=512, DB=64, E=512, PREC="tf32")
 INDEXER = dict(J=64, DH=128, DH_PAD=128, PREC="tf32")  # the lightning indexer: 64 heads of 128
 ATTN = dict(Q=BF, Kk=BF, V=BF, IDX=I32, CNT=I32)
 GRADS = dict(DO=BF, LSE=F32, DELTA=F32)
-FWD = ATTN | dict(O=BF, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32")
-BWD = ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, T="i32", NK="i32", scale="fp32", scale2="fp32", t0="i32", TC="i32")
+FWD = ATTN | dict(O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32")
+BWD = ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, P=F32, T="i32", NK="i32", scale="fp32", scale2="fp32")
+BWD |= dict(t0="i32", TC="i32")
 KERNELS |= {
-    "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False, WEIGHTS=False)),
-    "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True, WEIGHTS=True)),  # the model's: the target inside
-    "dsa bwd": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=False)),
-    "dsa bwd shared": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=True)),
-    "dsa weights": (
-        dsa._attn_weights,
-        dict(Q=BF, Kk=BF, IDX=I32, CNT=I32, LSE=F32, P=F32, T="i32", NK="i32", scale2="fp32"),
-        {k: MLA[k] for k in ("H", "G", "D", "DA", "DB", "PREC")},
-    ),
+    "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False)),
+    "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True)),  # the model's
+    "dsa bwd": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=False, WEIGHTS=False)),
+    # the model's where the indexer learns: the target's shares from the same walk
+    "dsa bwd shared": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=True, WEIGHTS=True)),
     "dsa index": (
         dsa._index_keys,
         dict(Q=BF, Kx=BF, W=BF, STARTS=I32, OUT=I32, t0="i32", t1="i32", T="i32", S="i32", scale="fp32"),

@@ -88,7 +88,7 @@ OP_CLASSES: dict[str, tuple[str, ...]] = {
 # Op classes kept at the call (kiln_kernels.dispatch.kept names): the Triton kernels' forwards. On a
 # CPU the references run instead, plain torch ops: nothing of this class is kept there.
 CALLS: dict[str, tuple[str, ...]] = {
-    "kernels": ("kda", "sparse_attention", "indexer_kl", "attention"),
+    "kernels": ("kda", "sparse_attention", "attention"),
     "attention": ("attention",),  # kiln_kernels.attention's varlen kernels
     "projections": ("projection",),  # LoRA projections' outputs
     "experts": ("experts",),

@@ -39,8 +39,10 @@ def indexer_topk(
     return kept("indexer_topk", lambda: _topk_op(q_BTJD, k_BSD, w_BTJ, starts_BT, topk))
 
 
-def sparse_attention(q_BTHD, k_BSGD, v_BSGE, idx_BTK, scale: float, with_weights: bool = False):
-    return _impl(q_BTHD, k_BSGD, v_BSGE).sparse_attention(q_BTHD, k_BSGD, v_BSGE, idx_BTK, scale, with_weights)
+def sparse_attention(q_BTHD, k_BSGD, v_BSGE, idx_BTK, scale: float, indexer=None):
+    """With ``indexer`` (its q, k, w): (o, the indexer's KL loss); the kernels' loss has its value
+    only after the backward, which computes the target (``triton._SparseAttention``)."""
+    return _impl(q_BTHD, k_BSGD, v_BSGE).sparse_attention(q_BTHD, k_BSGD, v_BSGE, idx_BTK, scale, indexer)
 
 
 def indexer_kl_loss(q_BTJD, k_BSD, w_BTJ, idx_BTK, p_BTK) -> torch.Tensor:

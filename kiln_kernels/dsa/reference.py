@@ -80,19 +80,21 @@ def sparse_attention(
     v_BSGE: torch.Tensor,
     idx_BTK: torch.Tensor,
     scale: float,
-    with_weights: bool = False,
+    indexer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ):
-    """Attention of each query over its selected keys only, [B, T, H, E]. ``with_weights`` also
-    returns the indexer's target: the probabilities on the selected keys averaged over heads,
-    [B, T, K] fp32 (fp64 for fp64 inputs; 0 where idx is -1, summing to 1 per query), without a
-    gradient."""
+    """Attention of each query over its selected keys only, [B, T, H, E]. ``indexer`` (its q, k
+    and w, as ``indexer_scores`` takes them): also the indexer's KL loss (``indexer_kl_loss``)
+    against its target, the probabilities on the selected keys averaged over heads (0 where idx
+    is -1, summing to 1 per query), which carries no gradient: returns (o, loss)."""
     B, T, H, _ = q_BTHD.shape
     G = k_BSGD.shape[2]
     up = torch.promote_types(q_BTHD.dtype, torch.float32)
     p = torch.softmax(_head_scores(q_BTHD, k_BSGD, idx_BTK, scale).to(up), -1)
     o = torch.einsum("btgnk,btkge->btgne", p.to(q_BTHD.dtype).view(B, T, G, H // G, -1), _gathered(v_BSGE, idx_BTK))
     o = o.reshape(B, T, H, -1)
-    return (o, p.detach().mean(2)) if with_weights else o
+    if indexer is None:
+        return o
+    return o, indexer_kl_loss(*indexer, idx_BTK, p.detach().mean(2))
 
 
 def indexer_kl_loss(

@@ -19,9 +19,11 @@ the indexer's top-k and without gathered copies of the keys.
   block may have; under ``torch.use_deterministic_algorithms``: into a slot per query, head
   block and key, summed by torch's deterministic ``index_add_``, in chunks of queries; slower,
   bit-reproducible). Shared values (a view of the tensor the keys are of) are read from the key
-  tiles here too, and their gradient joins the keys' in that one add. With ``with_weights`` a
-  second walk writes the indexer's target (probabilities averaged over heads), in the forward's
-  program where it holds all of a query's heads.
+  tiles here too, and their gradient joins the keys' in that one add. With the indexer's
+  inputs, the same walk adds each head block's share of the indexer's target (probabilities
+  averaged over heads) into it, and the indexer's KL loss and its gradients follow in the
+  backward: the forward walks the keys once (a target written in the forward took a second walk,
+  46% of a training forward on an H100).
 - ``indexer_kl_loss``: a program per query recomputes its index scores on the selected keys only;
   the backward adds dk with fp32 atomics (in a fixed order when deterministic, as above).
 
@@ -239,7 +241,6 @@ def _attn_fwd(
     CNT,
     O,
     LSE,
-    P,
     T,
     NK,
     scale2,
@@ -254,14 +255,10 @@ def _attn_fwd(
     BK: tl.constexpr,
     PREC: tl.constexpr,
     SHARED: tl.constexpr,
-    WEIGHTS: tl.constexpr,
 ):
     """A program per (query, key head, block of BH query heads x EB value dims). ``SHARED``: the
     values are the keys' first E = DA dims (MLA's absorbed form, the latent both), taken from
-    the key tile already loaded (EB = E): a selected row is read once, not twice. ``WEIGHTS``
-    (one program holds all of a query's heads and value dims: G = 1, BH >= H, EB >= E): a second
-    walk over the keys writes the indexer's target into P, the probabilities averaged over the
-    heads, with the queries still in hand (``_attn_weights`` otherwise)."""
+    the key tile already loaded (EB = E): a selected row is read once, not twice."""
     t, bg, he = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
@@ -295,13 +292,6 @@ def _attn_fwd(
     lse = m + tl.log2(l_safe)
     if he % NE == 0:
         tl.store(LSE + qrow, lse, mask=h_ok)
-    if WEIGHTS:
-        lse = tl.where(h_ok, lse, float("inf"))  # p = 0 on padding heads
-        for k0 in range(0, cnt, BK):
-            kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
-            ka, kb = _rows(Kk, krow, ok, D, DA, DB)
-            p = _probs(qa, qb, ka, kb, lse, ok, scale2, PREC)
-            tl.store(P + (b * T + t).to(tl.int64) * NK + kk, tl.sum(p, 0) / H, mask=ok)
 
 
 @triton.jit
@@ -357,6 +347,7 @@ def _attn_bwd(
     DQ,
     DK,
     DV,
+    P,
     T,
     NK,
     scale,
@@ -375,6 +366,7 @@ def _attn_bwd(
     PREC: tl.constexpr,
     ORDERED: tl.constexpr,
     SHARED: tl.constexpr,
+    WEIGHTS: tl.constexpr,
     KT: tl.constexpr = False,
 ):
     """A program per (query, key head, block of BH query heads), queries [t0, t0 + TC): the
@@ -383,7 +375,10 @@ def _attn_bwd(
     then one fp32 atomic add per key and head block). ``ORDERED``: each share written to its own
     slot of DK [B, TC, G, NHB, NK, D] and DV [.., E] instead, for a sum in a fixed order
     afterwards. ``SHARED`` (the values are the keys' first E = DA dims): values from the key
-    tile, and dv added into dk's first dims, nothing into DV. ``KT``: the keys' and values'
+    tile, and dv added into dk's first dims, nothing into DV. ``WEIGHTS``: the indexer's target,
+    the probabilities averaged over all H heads, from the walk's own p: the block's heads' share
+    added into P [B, T, NK] (``ORDERED``: stored in its own slot of P [B, TC, G, NHB, NK]). ``KT``:
+    the keys' and values'
     shares as (q^T ds)^T and (do^T p)^T, so that q and do are only ever the products' left
     operands: on Hopper one staged copy of each instead of two, which lets 64 heads a block fit
     in shared memory (``bench.regs``)."""
@@ -418,8 +413,14 @@ def _attn_bwd(
             dkb = tl.dot(tl.trans(dsc), qb, input_precision=PREC) * scale
         if SHARED:
             dka += dv
+        slot = (((b * TC + t - t0) * G + g) * NHB + hb).to(tl.int64) * NK + kk
+        if WEIGHTS:
+            share = tl.sum(p, 0) / H
+            if ORDERED:
+                tl.store(P + slot, share, mask=ok)
+            else:
+                tl.atomic_add(P + (b * T + t).to(tl.int64) * NK + kk, share, mask=ok, sem="relaxed")
         if ORDERED:
-            slot = (((b * TC + t - t0) * G + g) * NHB + hb).to(tl.int64) * NK + kk
             tl.store(DK + slot[:, None] * D + da[None, :], dka, mask=ok[:, None])
             tl.store(DK + slot[:, None] * D + db[None, :], dkb, mask=ok[:, None] & (db[None, :] < D))
             if not SHARED:
@@ -441,46 +442,6 @@ def _attn_bwd(
     )
 
 
-@triton.jit
-def _attn_weights(
-    Q,
-    Kk,
-    IDX,
-    CNT,
-    LSE,
-    P,
-    T,
-    NK,
-    scale2,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    D: tl.constexpr,
-    DA: tl.constexpr,
-    DB: tl.constexpr,
-    BH: tl.constexpr,
-    BK: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """A program per query: its probabilities on each selected key, averaged over all heads."""
-    t, b = tl.program_id(0), tl.program_id(1)
-    HG: tl.constexpr = H // G
-    cnt = tl.load(CNT + b * T + t)
-    for k0 in range(0, cnt, BK):
-        total = tl.zeros([BK], tl.float32)
-        for g in range(G):
-            kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
-            ka, kb = _rows(Kk, krow, ok, D, DA, DB)
-            for h0 in range(0, HG, BH):
-                heads = h0 + tl.arange(0, BH)
-                h_ok = heads < HG
-                qrow = (b * T + t).to(tl.int64) * H + g * HG + heads
-                qa, qb = _rows(Q, qrow, h_ok, D, DA, DB)
-                lse = tl.load(LSE + qrow, mask=h_ok, other=float("inf"))
-                total += tl.sum(_probs(qa, qb, ka, kb, lse, ok, scale2, PREC), 0)
-        kk = k0 + tl.arange(0, BK)
-        tl.store(P + (b * T + t).to(tl.int64) * NK + kk, total / H, mask=kk < cnt)
-
-
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
 CONFIG = {
     "index": dict(BM=128, BN=128, num_warps=8, num_stages=3),  # the top-k 1.8x 64 x 64's (H100, 64k)
@@ -488,7 +449,6 @@ CONFIG = {
     # values from the key tile: no value tile of their own, so 64 keys a block fit (bench.regs)
     "fwd shared": dict(BH=64, EB=512, BK=64, num_warps=8),
     "bwd": dict(BH=32, BK=32, num_warps=8),  # 64 heads: 311-385 KB of shared memory (bench.regs)
-    "weights": dict(BH=16, BK=32, num_warps=4),
     "kl fwd": dict(BK=32, num_warps=4),
     "kl bwd": dict(BK=64, num_warps=4),  # the loss's forward + backward 1.3x 16 keys' (H100, 16k)
 }
@@ -568,8 +528,14 @@ def _bh(cfg: dict, HG: int, x: torch.Tensor) -> dict:
 
 
 class _SparseAttention(torch.autograd.Function):
+    """The attention, and with the indexer's q, k and w its KL loss against its target: the
+    target (the probabilities averaged over heads) comes from the backward's walk, which computes
+    every probability anyway, so the loss and its gradients are computed in the backward and the
+    forward walks the keys once. The loss's value is written into the returned tensor by the
+    backward (NaN before it): the step only needs its gradient."""
+
     @staticmethod
-    def forward(ctx, q, k, v, idx, scale, with_weights):
+    def forward(ctx, q, k, v, idx, scale, iq, ik, iw):
         shared = shared_values(k, v)  # the forward reads the values from the key tiles
         q, k, idx = q.contiguous(), k.contiguous(), idx.to(torch.int32).contiguous()
         v = v if shared else v.contiguous()
@@ -584,48 +550,46 @@ class _SparseAttention(torch.autograd.Function):
             cfg = _bh(CONFIG["fwd shared" if shared else "fwd"], H // G, q)
             cfg["EB"] = E if shared else min(cfg["EB"], _pow2(E))
             blocks = triton.cdiv(H // G, cfg["BH"]) * triton.cdiv(E, cfg["EB"])
-            p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device) if with_weights else None
-            inside = with_weights and G == 1 and blocks == 1  # the target in the same walk's program
-            _attn_fwd[(T, B * G, blocks)](
-                q, k, v, idx, cnt, o, lse, p, T, NK, scale2, **meta, **cfg, SHARED=shared, WEIGHTS=inside
-            )
-            if with_weights and not inside:
-                meta_w = {n: meta[n] for n in ("H", "G", "D", "DA", "DB", "PREC")}
-                cfg_w = _bh(CONFIG["weights"], H // G, q)
-                _attn_weights[(T, B)](q, k, idx, cnt, lse, p, T, NK, scale2, **meta_w, **cfg_w)
-            return o, lse, p
+            _attn_fwd[(T, B * G, blocks)](q, k, v, idx, cnt, o, lse, T, NK, scale2, **meta, **cfg, SHARED=shared)
+            return o, lse
 
-        o, lse, p = kept("sparse_attention", run)
+        o, lse = kept("sparse_attention", run)
         # the backward reads the values from the key tiles too and adds their gradient into the
         # keys' where autograd carries it on to v's: v a view of the tensor k is of (not a
         # detached alias), and either needing no gradient or reached through k's graph
         ctx.shared = (
             shared and _root(v) is _root(k) and (not v.requires_grad or (k.requires_grad and v.grad_fn is not None))
         )
-        ctx.save_for_backward(q, k, None if ctx.shared else v, idx, cnt, o, lse)
         ctx.scale = scale
-        if p is not None:
-            ctx.mark_non_differentiable(p)
-        return o, p
+        ctx.set_materialize_grads(False)  # an output nothing used sends None: its work is skipped
+        if iq is None:
+            ctx.save_for_backward(q, k, None if ctx.shared else v, idx, cnt, o, lse)
+            return o
+        loss = torch.full((), float("nan"), dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, None if ctx.shared else v, idx, cnt, o, lse, *_kl_inputs(iq, ik, iw), loss)
+        return o, loss
 
     @staticmethod
-    def backward(ctx, do, _dp):
-        q, k, v, idx, cnt, o, lse = ctx.saved_tensors
+    def backward(ctx, do, dloss=None):
+        q, k, v, idx, cnt, o, lse, *indexer = ctx.saved_tensors
         shared = ctx.shared
         v = k[..., : _split(k.shape[-1])[0]] if shared else v.contiguous()
         meta, (B, T, H, G, E) = _attn_meta(q, k, v)
-        meta.update(E_PAD=_pow2(E), SHARED=shared)
+        target = dloss is not None and any(ctx.needs_input_grad[5:])
+        meta.update(E_PAD=_pow2(E), SHARED=shared, WEIGHTS=target)
         NK = idx.shape[-1]
-        do = do.contiguous()
+        do = torch.zeros_like(o) if do is None else do.contiguous()
         delta = _row_dots(do, o)
         dq = torch.empty_like(q)
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = None if shared else torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device) if target else None
         scale, scale2 = ctx.scale, ctx.scale * math.log2(math.e)
         cfg = _bh(CONFIG["bwd"], H // G, q)
         blocks = triton.cdiv(H // G, cfg["BH"])
 
         def bwd(t0, tc, targets, ordered):
+            shares = torch.zeros(B, tc, G, blocks, NK, device=q.device) if ordered and target else p
             _attn_bwd[(tc, B * G, blocks)](
                 q,
                 k,
@@ -638,6 +602,7 @@ class _SparseAttention(torch.autograd.Function):
                 dq,
                 targets[0],
                 targets[-1],  # DV: unused where shared
+                shares,
                 T,
                 NK,
                 scale,
@@ -648,10 +613,18 @@ class _SparseAttention(torch.autograd.Function):
                 **cfg,
                 ORDERED=ordered,
             )
+            if shares is not p:  # the heads' shares of the target summed in a fixed order
+                p[:, t0 : t0 + tc] = shares.sum((2, 3))
 
         _key_grads(bwd, idx, G, [dk] if shared else [dk, dv], blocks)
         # shared: v's gradient is in dk (v a view of k, autograd adds nothing more for it)
-        return dq, dk.to(k.dtype), None if dv is None else dv.to(v.dtype), None, None, None
+        grads = (dq, dk.to(k.dtype), None if dv is None else dv.to(v.dtype), None, None)
+        if not target:
+            return *grads, None, None, None
+        iq, ik, iw, loss = indexer
+        kl, kl_lse, psum = _kl_forward(iq, ik, iw, idx, cnt, p)
+        loss.copy_(kl.sum() / B)
+        return *grads, *_kl_backward(iq, ik, iw, idx, cnt, p, kl_lse, psum, dloss)
 
 
 def sparse_attention(
@@ -660,12 +633,13 @@ def sparse_attention(
     v_BSGE: torch.Tensor,
     idx_BTK: torch.Tensor,
     scale: float,
-    with_weights: bool = False,
+    indexer: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ):
+    """``reference.sparse_attention``; with ``indexer``, (o, loss) where the loss's value is
+    written by the backward (``_SparseAttention``)."""
     _one_row_if_longer(q_BTHD, k_BSGD)
     dt = q_BTHD.dtype
-    o, p = _SparseAttention.apply(q_BTHD, k_BSGD.to(dt), v_BSGE.to(dt), idx_BTK, scale, with_weights)
-    return (o, p) if with_weights else o
+    return _SparseAttention.apply(q_BTHD, k_BSGD.to(dt), v_BSGE.to(dt), idx_BTK, scale, *(indexer or (None,) * 3))
 
 
 # --------------------------------------------------------------------------------------------
@@ -834,60 +808,67 @@ def _kl_meta(q, kernel: str) -> dict:
     return dict(DH=DH, DH_PAD=_pow2(DH), J_PAD=_pow2(J), PREC=dot_precision(q), **cfg)
 
 
+def _kl_inputs(q, k, w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.contiguous(), k.contiguous(), w.contiguous()
+
+
+def _kl_forward(q, k, w, idx, cnt, p) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each query's loss, its index scores' log-sum-exp and its target's sum, [B, T] fp32 each."""
+    B, T, J, DH = q.shape
+    loss, lse, psum = (torch.empty(B, T, dtype=torch.float32, device=q.device) for _ in range(3))
+    _kl_fwd[(T, B)](q, k, w, idx, cnt, p, loss, lse, psum, T, idx.shape[-1], DH**-0.5, J=J, **_kl_meta(q, "kl fwd"))
+    return loss, lse, psum
+
+
+def _kl_backward(q, k, w, idx, cnt, p, lse, psum, grad) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k and w, the loss's gradient ``grad`` (a scalar tensor)."""
+    B, T, J, DH = q.shape
+    dq, dw = torch.empty_like(q), torch.empty_like(w)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    grad = grad.contiguous()
+
+    def kl_dk(t0, tc, targets, ordered):
+        _kl_bwd[(tc, B)](
+            q,
+            k,
+            w,
+            idx,
+            cnt,
+            p,
+            lse,
+            psum,
+            grad,
+            dq,
+            *targets,
+            dw,
+            T,
+            idx.shape[-1],
+            DH**-0.5,
+            1.0 / B,
+            t0,
+            tc,
+            J=J,
+            **_kl_meta(q, "kl bwd"),
+            ORDERED=ordered,
+        )
+
+    _key_grads(kl_dk, idx, 1, [dk])
+    return dq, dk.to(k.dtype), dw
+
+
 class _IndexerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, w, idx, p):
-        q, k, w = q.contiguous(), k.contiguous(), w.contiguous()
+        q, k, w = _kl_inputs(q, k, w)
         idx, p = idx.to(torch.int32).contiguous(), p.detach().float().contiguous()
-        B, T, J, DH = q.shape
         cnt = _counts(idx)
-
-        def run():
-            loss, lse, psum = (torch.empty(B, T, dtype=torch.float32, device=q.device) for _ in range(3))
-            _kl_fwd[(T, B)](
-                q, k, w, idx, cnt, p, loss, lse, psum, T, idx.shape[-1], DH**-0.5, J=J, **_kl_meta(q, "kl fwd")
-            )
-            return loss, lse, psum
-
-        loss, lse, psum = kept("indexer_kl", run)
+        loss, lse, psum = _kl_forward(q, k, w, idx, cnt, p)
         ctx.save_for_backward(q, k, w, idx, cnt, p, lse, psum)
-        return loss.sum() / B
+        return loss.sum() / q.shape[0]
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, w, idx, cnt, p, lse, psum = ctx.saved_tensors
-        B, T, J, DH = q.shape
-        dq, dw = torch.empty_like(q), torch.empty_like(w)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        grad = grad.contiguous()
-
-        def kl_dk(t0, tc, targets, ordered):
-            _kl_bwd[(tc, B)](
-                q,
-                k,
-                w,
-                idx,
-                cnt,
-                p,
-                lse,
-                psum,
-                grad,
-                dq,
-                *targets,
-                dw,
-                T,
-                idx.shape[-1],
-                DH**-0.5,
-                1.0 / B,
-                t0,
-                tc,
-                J=J,
-                **_kl_meta(q, "kl bwd"),
-                ORDERED=ordered,
-            )
-
-        _key_grads(kl_dk, idx, 1, [dk])
-        return dq, dk.to(k.dtype), dw, None, None
+        return *_kl_backward(*ctx.saved_tensors, grad), None, None
 
 
 def indexer_kl_loss(

@@ -234,13 +234,12 @@ def cases(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
         # MLA absorbed: one latent key of 576 (512 + 64 rope), values its first 512
         H, D, E = 16, 576, 512
         qa, ka, va = _grad(r(B, T, H, D), r(B, T, 1, D), r(B, T, 1, E))
-        out = dsa.sparse_attention(qa, ka, va, idx, D**-0.5, with_weights=True)
-        _backward(out)
-        (kv,) = _grad(r(B, T, 1, D))  # the model's form: the values a view of the keys' first E dims
-        _backward(dsa.sparse_attention(qa, kv, kv[..., :E], idx, D**-0.5, with_weights=True))
-        kg, vg = _grad(r(B, T, 2, D), r(B, T, 2, E))  # two key heads: the target in a walk of its own
-        _backward(dsa.sparse_attention(qa, kg, vg, idx, D**-0.5, with_weights=True))
         qi, ki, wi = _grad(q.clone(), k.clone(), w.clone())
+        _backward(dsa.sparse_attention(qa, ka, va, idx, D**-0.5))  # no indexer loss
+        (kv,) = _grad(r(B, T, 1, D))  # the model's form: the values a view of the keys' first E dims
+        _backward(dsa.sparse_attention(qa, kv, kv[..., :E], idx, D**-0.5, (qi, ki, wi)))  # its loss
+        kg, vg = _grad(r(B, T, 2, D), r(B, T, 2, E))  # two key heads, several programs' target shares
+        _backward(dsa.sparse_attention(qa, kg, vg, idx, D**-0.5, (qi, ki, wi)))
         p = torch.softmax(torch.randn(B, T, idx.shape[-1]), -1)
         _backward(dsa.indexer_kl_loss(qi, ki, wi, idx, p))
 

@@ -142,53 +142,98 @@ def test_topk_at_a_length_whose_scores_would_not_fit_the_device():
         assert (got == want).float().mean() > 0.99, t  # fp32 sums in another order: only near-ties may swap
 
 
+def attention_against_the_reference(q, k, v, idx, indexer, do, dtype, loss_grad=0.7):
+    """The kernels' attention with the indexer's loss against the float64 reference's (``v``
+    None: the values are a view of the keys' first E dims): the output, the loss (NaN until the
+    backward writes it) and every gradient, o's and the loss's backward at once."""
+    from kiln_kernels.dsa import triton as K
+
+    E = do.shape[-1]
+
+    def run(module, xs, grads):
+        q, k, *rest = xs
+        values, ix = (k[..., :E], rest) if v is None else (rest[0], rest[1:])
+        o, loss = module.sparse_attention(q, k, values, idx, q.shape[-1] ** -0.5, ix)
+        if module is K:
+            assert o.dtype == dtype and loss.dtype == torch.float32 and torch.isnan(loss)  # until the backward
+        torch.autograd.backward([o, loss], grads)
+        return o, loss
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, *([] if v is None else [v]), *indexer)]
+    o, loss = run(K, leaves, [do, torch.tensor(loss_grad, device=DEVICE)])
+    x64 = [x.detach().double().requires_grad_() for x in leaves]
+    o64, loss64 = run(R, x64, [do.double(), torch.tensor(loss_grad, dtype=torch.float64, device=DEVICE)])
+    tol = TOL[dtype]
+    assert rel(o, o64) < tol and rel(loss, loss64) < tol and float(loss.detach()) > 0
+    for got, want in zip(leaves, x64, strict=True):
+        assert got.grad is not None and rel(got.grad, want.grad) < tol
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,H,G,D,E,topk,packed", ATTN)
 def test_sparse_attention_matches_the_reference(B, T, H, G, D, E, topk, packed, dtype):
-    from kiln_kernels.dsa.triton import indexer_topk, sparse_attention
+    """The output, the indexer's loss against the heads' averaged probabilities (its target,
+    from the backward) and every gradient: q, k, v and the indexer's q, k, w."""
+    from kiln_kernels.dsa.triton import indexer_topk
 
-    st = starts(B, T, packed)
-    idx = indexer_topk(*indexer_inputs(B, T, 4, 16, torch.float32, seed=1), st, topk)
+    indexer = indexer_inputs(B, T, 4, 16, dtype, seed=1, exact_dots=True)
+    idx = indexer_topk(*indexer, starts(B, T, packed), topk)
     g = torch.Generator(device=DEVICE).manual_seed(D + T)
-    q = torch.randn(B, T, H, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
-    k = torch.randn(B, T, G, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
-    v = torch.randn(B, T, G, E, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    q = torch.randn(B, T, H, D, device=DEVICE, generator=g).to(dtype)
+    k = torch.randn(B, T, G, D, device=DEVICE, generator=g).to(dtype)
+    v = torch.randn(B, T, G, E, device=DEVICE, generator=g).to(dtype)
     do = torch.randn(B, T, H, E, device=DEVICE, generator=g).to(dtype)
-    scale = D**-0.5
-    o, p = sparse_attention(q, k, v, idx, scale, with_weights=True)
-    o.backward(do)
-    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    o64, p64 = R.sparse_attention(q64, k64, v64, idx, scale, with_weights=True)
-    o64.backward(do.double())
-    assert o.dtype == dtype and o.shape == (B, T, H, E) and p.dtype == torch.float32
-    tol = TOL[dtype]
-    assert rel(o, o64) < tol and rel(p, p64) < tol
-    assert rel(q.grad, q64.grad) < tol and rel(k.grad, k64.grad) < tol and rel(v.grad, v64.grad) < tol
+    attention_against_the_reference(q, k, v, idx, indexer, do, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,H,G,D,E,topk,packed", ATTN)
 def test_values_that_are_the_keys_first_dims_match_the_reference(B, T, H, G, D, E, topk, packed, dtype):
     """MLA's absorbed form: the values are a view of the keys' first E dims (the latent is both),
-    which the forward reads from the key tiles; the output, the weights and every gradient (the
-    keys' through both) match the reference's; a copy of those dims is not taken for shared."""
-    from kiln_kernels.dsa.triton import indexer_topk, shared_values, sparse_attention
+    which the forward reads from the key tiles; the output, the indexer's loss and every gradient
+    (the keys' through both) match the reference's; a copy of those dims is not taken for shared."""
+    from kiln_kernels.dsa.triton import indexer_topk, shared_values
 
-    st = starts(B, T, packed)
-    idx = indexer_topk(*indexer_inputs(B, T, 4, 16, torch.float32, seed=2), st, topk)
+    indexer = indexer_inputs(B, T, 4, 16, dtype, seed=2, exact_dots=True)
+    idx = indexer_topk(*indexer, starts(B, T, packed), topk)
     g = torch.Generator(device=DEVICE).manual_seed(D + T + 1)
-    q = torch.randn(B, T, H, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
-    kv = torch.randn(B, T, G, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    q = torch.randn(B, T, H, D, device=DEVICE, generator=g).to(dtype)
+    kv = torch.randn(B, T, G, D, device=DEVICE, generator=g).to(dtype)
     do = torch.randn(B, T, H, E, device=DEVICE, generator=g).to(dtype)
     assert shared_values(kv, kv[..., :E]) and not shared_values(kv, kv[..., :E].contiguous())
-    o, p = sparse_attention(q, kv, kv[..., :E], idx, D**-0.5, with_weights=True)
-    o.backward(do)
-    q64, kv64 = (x.detach().double().requires_grad_() for x in (q, kv))
-    o64, p64 = R.sparse_attention(q64, kv64, kv64[..., :E], idx, D**-0.5, with_weights=True)
-    o64.backward(do.double())
-    tol = TOL[dtype]
-    assert rel(o, o64) < tol and rel(p, p64) < tol
-    assert rel(q.grad, q64.grad) < tol and rel(kv.grad, kv64.grad) < tol
+    attention_against_the_reference(q, kv, None, idx, indexer, do, dtype)
+
+
+@pytest.mark.parametrize("which", ["output", "loss"])
+def test_a_backward_of_one_output_does_only_its_work(which):
+    """Autograd sends None for an output the backward did not reach. The output's alone: the
+    attention's gradients, no target, no loss (the indexer gets no gradient, the loss stays NaN).
+    The loss's alone: the indexer's gradients as the reference's (the walk runs with a zero
+    output gradient, for the target), the attention's zero."""
+    from kiln_kernels.dsa.triton import indexer_topk, sparse_attention
+
+    B, T, H, D, E = 1, 40, 4, 24, 16
+    indexer = indexer_inputs(B, T, 4, 16, torch.float32, seed=6, exact_dots=True)
+    idx = indexer_topk(*indexer, starts(B, T, True), 8)
+    g = torch.Generator(device=DEVICE).manual_seed(17)
+    q, k, v = (torch.randn(B, T, n, d, device=DEVICE, generator=g) for n, d in ((H, D), (1, D), (1, E)))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, *indexer)]
+    o, loss = sparse_attention(*leaves[:3], idx, D**-0.5, leaves[3:])
+    x64 = [x.detach().double().requires_grad_() for x in leaves]
+    o64, loss64 = R.sparse_attention(*x64[:3], idx, D**-0.5, x64[3:])
+    if which == "output":
+        do = torch.randn(B, T, H, E, device=DEVICE, generator=g)
+        o.backward(do)
+        o64.backward(do.double())
+        assert torch.isnan(loss) and all(x.grad is None for x in leaves[3:])
+        mine, theirs = leaves[:3], x64[:3]
+    else:
+        loss.backward()
+        loss64.backward()
+        assert rel(loss, loss64) < 1e-5 and all(float(x.grad.abs().sum()) == 0 for x in leaves[:3])
+        mine, theirs = leaves[3:], x64[3:]
+    for got, want in zip(mine, theirs, strict=True):
+        assert rel(got.grad, want.grad) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -221,8 +266,9 @@ def test_indexer_loss_matches_the_reference(B, T, J, DH, topk, packed, dtype):
     [(2, 28, 4, 2, 24, 16, 8), (1, 30, 48, 1, 24, 16, 8), pytest.param(1, 1500, 16, 1, 576, 512, 512, marks=gpu_only)],
 )
 def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, shared, dtype, monkeypatch):
-    """Under torch.use_deterministic_algorithms the keys' gradients (attention and indexer loss) are
-    summed in a fixed order, in several chunks of queries here: two runs are bit-equal and as close
+    """Under torch.use_deterministic_algorithms the keys' gradients (attention and indexer loss) and
+    the indexer's target (its head blocks' shares) are summed in a fixed order, in several chunks
+    of queries here: two runs are bit-equal and as close
     to float64 as the atomic sums are (Swap Core's exactness on the GPU is checked this way).
     ``shared``: the values a view of the keys' first dims, their gradient in the keys' slots."""
     from kiln_kernels.dsa import triton as K
@@ -238,8 +284,8 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, shared, 
     def grads():
         xs = [x.detach().clone().requires_grad_() for x in (q, k, v, iq, ik, iw)]
         values = xs[1][..., :E] if shared else xs[2]
-        o, p = K.sparse_attention(xs[0], xs[1], values, idx, D**-0.5, with_weights=True)
-        ((o.float() * do.float()).sum() + K.indexer_kl_loss(*xs[3:], idx, p)).backward()
+        o, loss = K.sparse_attention(xs[0], xs[1], values, idx, D**-0.5, xs[3:])
+        ((o.float() * do.float()).sum() + loss).backward()
         return [x.grad for x in xs if x.grad is not None]
 
     torch.use_deterministic_algorithms(True)
@@ -250,8 +296,8 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, shared, 
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     x64 = [x.detach().double().requires_grad_() for x in (q, k, v, iq, ik, iw)]
     values64 = x64[1][..., :E] if shared else x64[2]
-    o64, p64 = R.sparse_attention(x64[0], x64[1], values64, idx, D**-0.5, with_weights=True)
-    ((o64 * do.double()).sum() + R.indexer_kl_loss(*x64[3:], idx, p64)).backward()
+    o64, loss64 = R.sparse_attention(x64[0], x64[1], values64, idx, D**-0.5, x64[3:])
+    ((o64 * do.double()).sum() + loss64).backward()
     want = [x.grad for x in x64 if x.grad is not None]
     assert len(first) == len(want) == (5 if shared else 6)
     for got, w in zip(first, want, strict=True):
@@ -346,9 +392,8 @@ def test_dispatch_and_the_model(monkeypatch):
     def run():
         m.zero_grad()
         out = m(x, pos, docs)
-        (out * dy).sum().backward()
-        m.last_indexer_loss.backward()
-        return out.detach(), float(m.last_indexer_loss), {n: p.grad.clone() for n, p in m.named_parameters()}
+        ((out * dy).sum() + m.last_indexer_loss).backward()  # as the step: the kernels' loss from its backward
+        return out.detach(), float(m.last_indexer_loss.detach()), {n: p.grad.clone() for n, p in m.named_parameters()}
 
     out, loss, grads = run()
     monkeypatch.setenv("KILN_KERNELS", "reference")

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.model.common.layers import Past, RMSNorm, absorbed_kv_b, autocast_input, doc_starts
-from kiln_kernels.dsa import indexer_kl_loss, indexer_topk, sparse_attention
+from kiln_kernels.dsa import indexer_topk, sparse_attention
 
 
 def rope_cos_sin(positions_BT: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,29 +149,30 @@ class GatedDSAttention(nn.Module):
         # the indexer's target and KL loss only where it can learn from them (full training, or
         # LoRA on its projections): a frozen indexer's loss has no gradient at all
         learns = self.training and any(p.requires_grad for p in self.indexer.parameters())
+        indexer = (index_q, index_k, index_w) if learns else None
         up, down = self._absorbed()
         if up is not None:  # keys and values: the latent, shared by all heads
             assert down is not None  # _absorbed gives both or neither
             q = torch.cat([torch.einsum("bthn,hnr->bthr", q_nope, up.to(q_nope.dtype)), q_rot], -1)
             k = torch.cat([latent, k_rot], -1)[:, :, None].to(q.dtype)
             # the values: a view of the keys' latent dims, which the kernel reads once for both
-            o, weights = self._attend(q, k, k[..., : self.rank], idx, scale, learns)
+            o, self.last_indexer_loss = self._attend(q, k, k[..., : self.rank], idx, scale, indexer)
             o = torch.einsum("bthr,hvr->bthv", o, down.to(o.dtype))
         else:
             k_nope, v = self.kv_b_proj(latent).view(B, S, self.H, -1).split([self.nope, self.v], -1)
             q = torch.cat([q_nope, q_rot], -1)
             k = torch.cat([k_nope, k_rot[:, :, None].expand(B, S, self.H, self.rope)], -1)
-            o, weights = self._attend(q, k, v, idx, scale, learns)
-        self.last_indexer_loss = indexer_kl_loss(index_q, index_k, index_w, idx, weights) if learns else None
+            o, self.last_indexer_loss = self._attend(q, k, v, idx, scale, indexer)
         o = o.reshape(B, T, -1)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x_BTD))
         return self.o_proj(o)
 
-    def _attend(self, q, k, v, idx, scale, target: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The attention, and with ``target`` the indexer's target."""
-        if target:
-            return sparse_attention(q, k, v, idx, scale, with_weights=True)
+    def _attend(self, q, k, v, idx, scale, indexer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The attention, and with ``indexer`` (its q, k, w) the indexer's KL loss (whose value the
+        kernels write in the backward)."""
+        if indexer is not None:
+            return sparse_attention(q, k, v, idx, scale, indexer)
         return sparse_attention(q, k, v, idx, scale), None
 
     def _absorbed(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -134,7 +134,9 @@ class HybridForCausalLM(CausalLM, nn.Module):
 
     def indexer_loss(self) -> torch.Tensor | None:
         """The DSA indexers' KL losses of the last training forward, summed (None in eval, and
-        where no indexer has a trainable parameter: LoRA that leaves them out)."""
+        where no indexer has a trainable parameter: LoRA that leaves them out): a term for the
+        backward. On the kernels its value is NaN (each layer's ``last_indexer_loss`` has its
+        value once the backward has run: its target comes from the attention's backward)."""
         losses = [
             l.self_attn.last_indexer_loss
             for l in cast("list[HybridLayer]", self.layers)
