@@ -20,9 +20,10 @@ Kiln packs them into one row as its trainer does, transformers takes them as a b
 reported apart as ``first_step_s``, with its Triton compiles: how many, their summed time and
 the slowest, ``first_step_compiles``); tokens/s from the median step; peak memory
 (the device's ``max_memory_allocated``, weights included) over the timed steps. Rows over LONG
-tokens run with each side's memory saving on (Kiln: Swap Core's selective recompute;
-transformers: gradient checkpointing); a shorter row that runs out of memory without it runs
-again with it, as a user would turn it on (the row's ``memory``). Then one more step
+tokens run with each side's memory saving on (Kiln: Swap Core's selective recompute, keeping
+the kernels' outputs or ``--kiln-cache``'s op classes; transformers: gradient checkpointing);
+a shorter row that runs out of memory without it runs again with it, as a user would turn it on
+(the row's ``memory``). Then one more step
 under the torch profiler, its GPU time split by op class (``CLASSES``): the forward's ops by the
 module they run in, the backward's by the forward op that made them (autograd's sequence
 numbers), ``host gaps`` = the step's wall time the GPU was idle. ``--memory-breakdown`` (CUDA):
@@ -105,6 +106,7 @@ TINY = dict(
 )
 DOC = 4096
 LONG = 16384  # longer rows (32k and up): Kiln recomputes (Swap Core), transformers checkpoints its layers (run_side)
+KILN_CACHE = ["kernels"]  # what Kiln's recompute keeps on the long rows (MemorySpec.cache_ops; --kiln-cache)
 DEV = default_device()  # CUDA, else an Ascend NPU (--check: the CPU)
 TAG = "e2e::"
 CLASSES = ["KDA", "attention", "MoE", "projections + LoRA", "loss", "optimizer", "other"]
@@ -405,17 +407,19 @@ class Kiln:
         self.rehearsed = False
 
     def long_mode(self, on: bool) -> None:
-        """Swap Core's default recompute (``selective``: the kernels' outputs kept on the device)
-        for the long rows, none for the others."""
+        """Swap Core's selective recompute for the long rows (its default keeps the kernels'
+        outputs on the device; ``KILN_CACHE``), none for the others."""
         from engine.memory import apply_swap_core
         from kiln.spec import MemorySpec
 
         for layer in self.model.model.layers:  # undo: the wrapped forwards live on the instances
             for block in (layer.self_attn, layer.mlp):
                 block.__dict__.pop("forward", None)
-        self.memory = "selective" if on else "none"
+        self.memory = (
+            ("selective" if KILN_CACHE == ["kernels"] else f"selective ({', '.join(KILN_CACHE)})") if on else "none"
+        )
         if on:
-            apply_swap_core(self.model, MemorySpec(recompute="selective"))
+            apply_swap_core(self.model, MemorySpec.model_validate({"recompute": "selective", "cache_ops": KILN_CACHE}))
 
     def tag(self) -> list:
         import engine.model.common.layers as layers
@@ -622,8 +626,16 @@ def main() -> None:
     p.add_argument(
         "--memory-breakdown", action="store_true", help="CUDA: what is alive at a step's peak, by allocation site"
     )
+    p.add_argument(
+        "--kiln-cache",
+        nargs="+",
+        default=KILN_CACHE,
+        metavar="OP",
+        help="the op classes Kiln's recompute keeps on the long rows (MemorySpec.cache_ops; default kernels)",
+    )
     p.add_argument("--check", action="store_true", help="a tiny model on the CPU: the script runs, no more")
     a = p.parse_args()
+    KILN_CACHE[:] = a.kiln_cache
     logging.basicConfig(format="%(name)s: %(message)s")
     logging.getLogger("engine.training.step").setLevel(logging.INFO)  # the rehearsal's time
     logging.getLogger("kiln_kernels.ahead").setLevel(logging.INFO)  # its pass apart from its compiles
