@@ -193,7 +193,7 @@ def dpo_accumulate(
         loss, chosen, rejected = dpo_loss(*dpo_terms(model, pair, pad, device), beta)
         (loss / len(pairs)).backward()
         loss_sum, chosen_sum, rejected_sum = (
-            loss_sum + float(loss),
+            loss_sum + float(loss.detach()),
             chosen_sum + float(chosen),
             rejected_sum + float(rejected),
         )
