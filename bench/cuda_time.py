@@ -1,11 +1,13 @@
 """The benches' clock: the median of device-event times of a call, after warm-up calls; and the rows
-and table of the memory-bound kernels' benches (forward, forward + backward, GB/s). The device is
+and table of the memory-bound kernels' benches (forward, forward + backward, GB/s); the results
+file a run adds to (``carried``). The device is
 ``DEV``, the accelerator there is (CUDA, else an Ascend NPU), timed and named through the engine's
 device layer (engine/device.py): on CUDA the same ``torch.cuda`` calls as ever."""
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -102,3 +104,15 @@ def report(title: str, rows: list[dict], keys: dict[str, int], baseline: str, ou
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(done, indent=1))
     return done
+
+
+def carried(done: dict, device: str) -> dict:
+    """The results file a run adds its rows to: as it was, but where its table (``rows``) is
+    another device's, that table (with its device, torch and date) moved under a key of its own,
+    ``previous_<device>_<date>``, and ``rows`` started afresh: a run never mixes two devices'
+    rows under one ``device``, nor drops the file's other keys."""
+    if not done.get("rows") or done.get("device") in (None, device):
+        return done
+    old = {k: done[k] for k in ("rows", "device", "torch", "date") if k in done}
+    key = re.sub(r"[^a-z0-9]+", "_", f"previous {old['device']} {old.get('date', '')}".lower()).strip("_")
+    return {**{k: v for k, v in done.items() if k not in old}, key: old, "rows": []}

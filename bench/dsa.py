@@ -25,7 +25,7 @@ and the largest difference of its output and gradients from today's (``prev_rel`
 worst of o, dq, dkv).
 Writes bench/results/dsa.json: ``{"rows": [{"T", "fwd_tflops", "bwd_tflops", "topk_ms", "dsa_ms",
 "dense_ms", ...}], "device", "date", ...}``, keeping the file's earlier runs (its keys that hold a
-dict).
+dict; another device's table moved under a key of its own, ``cuda_time.carried``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.cuda_time import DEV, median_ms, sweep
+from bench.cuda_time import DEV, carried, median_ms, sweep
 from engine import device as accelerator
 from kiln_kernels.dsa import triton as fused
 
@@ -280,10 +280,12 @@ def main() -> None:
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows: list[dict] = []
     prev = load_previous(a.previous)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     out = Path(a.out)
-    earlier = json.loads(out.read_text()) if out.exists() else {}
-    done: dict[str, Any] = {k: v for k, v in earlier.items() if isinstance(v, dict)}  # earlier runs, by key
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # the file's earlier runs, each under its key (another device's table moved under one), not
+    # the notes of the table this run replaces
+    earlier = carried(json.loads(out.read_text()) if out.exists() else {}, accelerator.name(DEV))
+    done: dict[str, Any] = {k: v for k, v in earlier.items() if isinstance(v, dict)}
     done |= {
         "command": "python3 -m bench.dsa " + " ".join(sys.argv[1:]),
         "device": accelerator.name(DEV),

@@ -43,7 +43,6 @@ import functools
 import gc
 import json
 import logging
-import re
 import statistics
 import sys
 import threading
@@ -55,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.cuda_time import default_device
+from bench.cuda_time import carried, default_device
 from engine import device as accelerator
 from kiln_kernels import ahead
 
@@ -301,18 +300,6 @@ class Compiles:
             "slowest_compiles_s": {k: round(v, 2) for k, v in top},
             "compiled_at_launch": dict(Counter(self.at_launch)),  # kernel: how many of its compiles
         }
-
-
-def carried(done: dict, device: str) -> dict:
-    """The results file a run adds its rows to: as it was, but where its table (``rows``) is
-    another device's, that table (with its device, torch and date) moved under a key of its own,
-    ``previous_<device>_<date>``, and ``rows`` started afresh: a run never mixes two devices'
-    rows under one ``device``, nor drops the file's other keys."""
-    if not done.get("rows") or done.get("device") in (None, device):
-        return done
-    old = {k: done[k] for k in ("rows", "device", "torch", "date") if k in done}
-    key = re.sub(r"[^a-z0-9]+", "_", f"previous {old['device']} {old.get('date', '')}".lower()).strip("_")
-    return {**{k: v for k, v in done.items() if k not in old}, key: old, "rows": []}
 
 
 def peak_breakdown(step, top: int = 12) -> dict[str, float]:
