@@ -67,13 +67,18 @@ CANDIDATES = {  # each kernel's settings tried by --tune, each timed by the op t
         dict(BH=64, EB=512, BK=64, num_warps=4),
         dict(BH=32, EB=512, BK=64, num_warps=8),
     ],
-    "bwd": [
-        dict(BH=32, BK=32, num_warps=8),
-        dict(BH=32, BK=16, num_warps=8),
-        dict(BH=16, BK=32, num_warps=4),
-        dict(BH=64, BK=16, num_warps=8, KT=True),  # 188 KB shared (bench.regs); KT=False: 340
-        dict(BH=64, BK=32, num_warps=8, KT=True),  # 224 KB
-        dict(BH=32, BK=32, num_warps=8, KT=True),
+    "bwd shared": [  # the model's
+        dict(BH=64, BK=64, num_warps=8, num_stages=1),
+        dict(BH=64, BK=32, num_warps=8, num_stages=2),
+        dict(BH=64, BK=32, num_warps=8, num_stages=1),
+        dict(BH=64, BK=64, num_warps=4, num_stages=1),
+    ],
+    "keys": [
+        dict(NT=128, BK=128, num_warps=8),
+        dict(NT=64, BK=128, num_warps=8),
+        dict(NT=128, BK=128, num_warps=8, num_stages=2),
+        dict(NT=64, BK=64, num_warps=4),
+        dict(NT=128, BK=64, num_warps=4),
     ],
 }
 
@@ -103,7 +108,7 @@ def tune(a) -> None:
         o, loss = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, (qi, ki, w))
         torch.autograd.backward([o, loss], [do, torch.ones_like(loss)])
 
-    ops = {"index": topk, "fwd shared": attn, "bwd": attn}
+    ops = {"index": topk, "fwd shared": attn, "bwd shared": attn, "keys": attn}
     ops |= dict.fromkeys(["kl fwd", "kl bwd"], lambda: fused.indexer_kl_loss(qi, ki, w, idx, target).backward())
     fastest: dict[str, dict] = {}
     for name, cands in CANDIDATES.items():

@@ -90,14 +90,22 @@ INDEXER = dict(J=64, DH=128, DH_PAD=128, PREC="tf32")  # the lightning indexer: 
 ATTN = dict(Q=BF, Kk=BF, V=BF, IDX=I32, CNT=I32)
 GRADS = dict(DO=BF, LSE=F32, DELTA=F32)
 FWD = ATTN | dict(O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32")
-BWD = ATTN | GRADS | dict(DQ=BF, DK=F32, DV=F32, P=F32, T="i32", NK="i32", scale="fp32", scale2="fp32")
-BWD |= dict(t0="i32", TC="i32")
+CHUNK = dict(t0="i32", NC="i32", TS="i32", TC="i32")  # the backward's chunk of queries
+BWD = ATTN | GRADS | dict(PT=BF, DST=BF, P=F32, T="i32", NK="i32", scale2="fp32") | CHUNK
+KEYS = dict(A=BF, X=BF, A2=BF, X2=BF, Kk=BF, DQ=BF, IDX=I32, CNT=I32, OUT=F32, T="i32", NK="i32", s="fp32") | CHUNK
+KEYS |= dict(C0="i32", C1="i32")
 KERNELS |= {
     "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False)),
     "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True)),  # the model's
-    "dsa bwd": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=False, WEIGHTS=False)),
+    "dsa bwd": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, HP=64, ORDERED=False, SHARED=False, WEIGHTS=False)),
     # the model's where the indexer learns: the target's shares from the same walk
-    "dsa bwd shared": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, ORDERED=False, SHARED=True, WEIGHTS=True)),
+    "dsa bwd shared": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, HP=64, ORDERED=False, SHARED=True, WEIGHTS=True)),
+    # the model's gradients from the walk: the keys' ds^T q + p^T do and dq's ds k (columns [0, E))
+    "dsa keys": (
+        dsa._key_shares,
+        KEYS,
+        dict(H=64, G=1, DX=576, DX2=512, W=576, HP=64, PREC="tf32", ADD=True, QGRAD=True, ORDERED=False),
+    ),
     "dsa index": (
         dsa._index_keys,
         dict(Q=BF, Kx=BF, W=BF, STARTS=I32, OUT=I32, t0="i32", t1="i32", T="i32", S="i32", scale="fp32"),

@@ -12,18 +12,20 @@ the indexer's top-k and without gathered copies of the keys.
   (query, key head, block of its query heads), online softmax over blocks of gathered keys; where
   the values are a view of the keys' first dims (MLA's absorbed latent, ``shared_values``), they
   come from the key tile already loaded.
-  Backward: one walk per (query, key head, block of query heads) that computes a key block's
-  probabilities and score gradients once for both dq (summed in registers) and the keys' and
-  values' shares, summed over the block's heads before one fp32 atomic add per selected key and
-  head block (32 heads a block in bf16, 16 in fp32: 64 would need more shared memory than a
-  block may have; under ``torch.use_deterministic_algorithms``: into a slot per query, head
-  block and key, summed by torch's deterministic ``index_add_``, in chunks of queries; slower,
-  bit-reproducible). Shared values (a view of the tensor the keys are of) are read from the key
-  tiles here too, and their gradient joins the keys' in that one add. With the indexer's
-  inputs, the same walk adds each head block's share of the indexer's target (probabilities
-  averaged over heads) into it, and the indexer's KL loss and its gradients follow in the
-  backward: the forward walks the keys once (a target written in the forward took a second walk,
-  46% of a training forward on an H100).
+  Backward in two kernels, a chunk of queries at a time (``WALK_BYTES``). The walk, a program per
+  (query, key head, block of 64 query heads: wgmma), recomputes a key block's probabilities p and
+  score gradients ds and writes both in the inputs' dtype, key-major. Then a program per (column
+  tile, query, key head) turns them into every gradient with products of all of a query's heads:
+  the selected keys' ds^T q (+ p^T do, the values' share where they are the keys' first dims),
+  one fp32 atomic add per selected key and column (under ``torch.use_deterministic_algorithms``:
+  into a slot per query and key, summed by torch's deterministic ``index_add_``, in chunks of
+  queries; slower, bit-reproducible), and the query's dq = ds k from the same tile's columns of
+  the gathered keys. Shared values (a view of the tensor the keys are of) are read from the key
+  tiles here too, and their gradient joins the keys' in that one add. With the indexer's inputs,
+  the walk also writes the indexer's target (probabilities averaged over heads) from its own p,
+  and the indexer's KL loss and its gradients follow in the backward: the forward walks the keys
+  once (a target written in the forward took a second walk, 46% of a training forward on an
+  H100).
 - ``indexer_kl_loss``: a program per query recomputes its index scores on the selected keys only;
   the backward adds dk with fp32 atomics (in a fixed order when deterministic, as above).
 
@@ -344,15 +346,15 @@ def _attn_bwd(
     DO,
     LSE,
     DELTA,
-    DQ,
-    DK,
-    DV,
+    PT,
+    DST,
     P,
     T,
     NK,
-    scale,
     scale2,
     t0,
+    NC,
+    TS,
     TC,
     H: tl.constexpr,
     G: tl.constexpr,
@@ -361,85 +363,129 @@ def _attn_bwd(
     DB: tl.constexpr,
     E: tl.constexpr,
     E_PAD: tl.constexpr,
+    HP: tl.constexpr,
     BH: tl.constexpr,
     BK: tl.constexpr,
     PREC: tl.constexpr,
     ORDERED: tl.constexpr,
     SHARED: tl.constexpr,
     WEIGHTS: tl.constexpr,
-    KT: tl.constexpr = False,
 ):
-    """A program per (query, key head, block of BH query heads), queries [t0, t0 + TC): the
-    probabilities and score gradients of a block of keys computed once for dq (summed in
-    registers, no atomics) and for the keys' and values' shares (summed over the block's heads,
-    then one fp32 atomic add per key and head block). ``ORDERED``: each share written to its own
-    slot of DK [B, TC, G, NHB, NK, D] and DV [.., E] instead, for a sum in a fixed order
-    afterwards. ``SHARED`` (the values are the keys' first E = DA dims): values from the key
-    tile, and dv added into dk's first dims, nothing into DV. ``WEIGHTS``: the indexer's target,
-    the probabilities averaged over all H heads, from the walk's own p: the block's heads' share
-    added into P [B, T, NK] (``ORDERED``: stored in its own slot of P [B, TC, G, NHB, NK]). ``KT``:
-    the keys' and values'
-    shares as (q^T ds)^T and (do^T p)^T, so that q and do are only ever the products' left
-    operands: on Hopper one staged copy of each instead of two, which lets 64 heads a block fit
-    in shared memory (``bench.regs``)."""
-    t, bg, hb = t0 + tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """The queries' walk, a program per (query t0 + i, key head, block of BH query heads): a key
+    block's probabilities p and score gradients ds (w.r.t. scale * q . k), written in the inputs'
+    dtype to PT and DST [B, NC, G, NK, HP] (key-major, the block's heads at columns hb * BH) for
+    ``_key_shares``, which turns them into every gradient. ``SHARED`` (the values are the keys'
+    first E = DA dims): values from the key tile. ``WEIGHTS``: the indexer's target, the
+    probabilities averaged over all H heads, from the walk's own p: the block's share stored into
+    P [B, T, NK] where it is the only one, else added (``ORDERED``: stored in its own slot of
+    P [B, TC, G, NHB, NK], queries from TS)."""
+    i, bg, hb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = t0 + i
     b, g = bg // G, bg % G
     HG: tl.constexpr = H // G
     NHB: tl.constexpr = (HG + BH - 1) // BH
-    qrow, h_ok, qa, qb, do, lse, delta = _head_block(
+    _qrow, _h_ok, qa, qb, do, lse, delta = _head_block(
         Q, DO, LSE, DELTA, b, t, T, g, hb * BH, H, G, D, DA, DB, E, E_PAD, BH
     )
-    da = tl.arange(0, DA)
-    db = DA + tl.arange(0, DB)
     e = tl.arange(0, E_PAD)
-    dqa = tl.zeros([BH, DA], tl.float32)
-    dqb = tl.zeros([BH, DB], tl.float32)
+    cols = hb * BH + tl.arange(0, BH)
+    walked = ((b * NC + i) * G + g).to(tl.int64) * NK
     cnt = tl.load(CNT + b * T + t)
     for k0 in range(0, cnt, BK):
         kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
         ka, kb = _rows(Kk, krow, ok, D, DA, DB)
         v = ka if SHARED else _values(V, krow, ok, e, E)
         p, ds = _grads(qa, qb, do, lse, delta, ok, ka, kb, v, scale2, PREC)
-        dsc = ds.to(ka.dtype)
-        dqa += tl.dot(dsc, ka, input_precision=PREC)
-        dqb += tl.dot(dsc, kb, input_precision=PREC)
-        if KT:
-            dv = tl.trans(tl.dot(tl.trans(do), p.to(do.dtype), input_precision=PREC))
-            dka = tl.trans(tl.dot(tl.trans(qa), dsc, input_precision=PREC)) * scale
-            dkb = tl.trans(tl.dot(tl.trans(qb), dsc, input_precision=PREC)) * scale
-        else:
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
-            dka = tl.dot(tl.trans(dsc), qa, input_precision=PREC) * scale
-            dkb = tl.dot(tl.trans(dsc), qb, input_precision=PREC) * scale
-        if SHARED:
-            dka += dv
-        slot = (((b * TC + t - t0) * G + g) * NHB + hb).to(tl.int64) * NK + kk
+        at = (walked + kk)[None, :] * HP + cols[:, None]
+        tl.store(DST + at, ds.to(DST.dtype.element_ty), mask=ok[None, :])
+        tl.store(PT + at, p.to(PT.dtype.element_ty), mask=ok[None, :])
         if WEIGHTS:
             share = tl.sum(p, 0) / H
             if ORDERED:
+                slot = (((b * TC + t - TS) * G + g) * NHB + hb).to(tl.int64) * NK + kk
                 tl.store(P + slot, share, mask=ok)
+            elif NHB * G == 1:  # the only share
+                tl.store(P + (b * T + t).to(tl.int64) * NK + kk, share, mask=ok)
             else:
                 tl.atomic_add(P + (b * T + t).to(tl.int64) * NK + kk, share, mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _key_shares(
+    A,
+    X,
+    A2,
+    X2,
+    Kk,
+    DQ,
+    IDX,
+    CNT,
+    OUT,
+    T,
+    NK,
+    s,
+    t0,
+    NC,
+    TS,
+    TC,
+    C0,
+    C1,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    DX: tl.constexpr,
+    DX2: tl.constexpr,
+    W: tl.constexpr,
+    HP: tl.constexpr,
+    NT: tl.constexpr,
+    BK: tl.constexpr,
+    PREC: tl.constexpr,
+    ADD: tl.constexpr,
+    QGRAD: tl.constexpr,
+    ORDERED: tl.constexpr,
+):
+    """Gradient columns [C0, C1) from the queries' walk, a program per (column tile, query t0 + i,
+    key head), A and A2 the walk's [B, NC, G, NK, HP] key-major p or ds, X and X2 the query's
+    rows of q or do: the selected keys' OUT[key, c] += s * sum_h A[key, h] X[h, c] (+ A2[key, h]
+    X2[h, c] with ``ADD``), each block of keys one product of all the query's heads, then one fp32
+    atomic add per key into OUT [B*T*G, W] (``ORDERED``: a store into the key's own slot of OUT
+    [B, TC, G, NK, W], queries from TS). ``QGRAD`` (A is ds, X is q): the query's
+    DQ[h, c] = s * sum_key A[key, h] K[key, c] too, from the tile's columns of the gathered keys
+    Kk [B*T*G, DX]."""
+    n, i, bg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = t0 + i
+    b, g = bg // G, bg % G
+    HG: tl.constexpr = H // G
+    heads = tl.arange(0, HP)
+    h_ok = heads < HG
+    qrow = (b * T + t).to(tl.int64) * H + g * HG + heads
+    c = C0 + n * NT + tl.arange(0, NT)
+    c_ok = c < C1
+    x = tl.load(X + qrow[:, None] * DX + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    if ADD:
+        x2 = tl.load(X2 + qrow[:, None] * DX2 + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    dq = tl.zeros([HP, NT], tl.float32)
+    walked = ((b * NC + i) * G + g).to(tl.int64) * NK
+    cnt = tl.load(CNT + b * T + t)
+    for k0 in range(0, cnt, BK):
+        kk, ok, krow = _keys(IDX, b, t, T, NK, G, g, k0, cnt, BK)
+        at = (walked + kk)[:, None] * HP + heads[None, :]
+        a = tl.load(A + at, mask=ok[:, None] & h_ok[None, :], other=0.0)
+        acc = tl.dot(a, x, input_precision=PREC) * s
+        if ADD:
+            a2 = tl.load(A2 + at, mask=ok[:, None] & h_ok[None, :], other=0.0)
+            acc += tl.dot(a2, x2, input_precision=PREC)
+        if QGRAD:
+            k = tl.load(Kk + krow[:, None] * DX + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
+            dq += tl.dot(tl.trans(a), k, input_precision=PREC)
         if ORDERED:
-            tl.store(DK + slot[:, None] * D + da[None, :], dka, mask=ok[:, None])
-            tl.store(DK + slot[:, None] * D + db[None, :], dkb, mask=ok[:, None] & (db[None, :] < D))
-            if not SHARED:
-                tl.store(DV + slot[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E))
+            slot = ((b * TC + t - TS) * G + g).to(tl.int64) * NK + kk
+            tl.store(OUT + slot[:, None] * W + c[None, :], acc, mask=ok[:, None] & c_ok[None, :])
         else:
-            tl.atomic_add(DK + krow[:, None] * D + da[None, :], dka, mask=ok[:, None], sem="relaxed")
-            tl.atomic_add(
-                DK + krow[:, None] * D + db[None, :], dkb, mask=ok[:, None] & (db[None, :] < D), sem="relaxed"
-            )
-            if not SHARED:
-                tl.atomic_add(
-                    DV + krow[:, None] * E + e[None, :], dv, mask=ok[:, None] & (e[None, :] < E), sem="relaxed"
-                )
-    tl.store(DQ + qrow[:, None] * D + da[None, :], (dqa * scale).to(DQ.dtype.element_ty), mask=h_ok[:, None])
-    tl.store(
-        DQ + qrow[:, None] * D + db[None, :],
-        (dqb * scale).to(DQ.dtype.element_ty),
-        mask=h_ok[:, None] & (db[None, :] < D),
-    )
+            tl.atomic_add(OUT + krow[:, None] * W + c[None, :], acc, mask=ok[:, None] & c_ok[None, :], sem="relaxed")
+    if QGRAD:
+        tl.store(
+            DQ + qrow[:, None] * DX + c[None, :], (dq * s).to(DQ.dtype.element_ty), mask=h_ok[:, None] & c_ok[None, :]
+        )
 
 
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
@@ -448,39 +494,69 @@ CONFIG = {
     "fwd": dict(BH=64, EB=512, BK=32, num_warps=8),
     # values from the key tile: no value tile of their own, so 64 keys a block fit (bench.regs)
     "fwd shared": dict(BH=64, EB=512, BK=64, num_warps=8),
-    "bwd": dict(BH=32, BK=32, num_warps=8),  # 64 heads: 311-385 KB of shared memory (bench.regs)
+    # the backward's walk: 64 heads (wgmma); 32 keys with separate values: 276 KB (bench.regs)
+    "bwd": dict(BH=64, BK=16, num_warps=8, num_stages=2),
+    "bwd shared": dict(BH=64, BK=64, num_warps=8, num_stages=1),  # 1.06x 32 keys in two stages (H100, 16k)
+    # columns x keys, NT for 64 heads, halved at 128 and for fp32; 1.10x 128 x 64 on 4 warps (H100, 16k)
+    "keys": dict(NT=128, BK=128, num_warps=8),
     "kl fwd": dict(BK=32, num_warps=4),
     "kl bwd": dict(BK=64, num_warps=4),  # the loss's forward + backward 1.3x 16 keys' (H100, 16k)
 }
 
 
 ORDERED_BYTES = 2**29  # the buffers of one chunk of a deterministic backward
+WALK_BYTES = 2**29  # the backward's p and ds of a chunk of queries, together
 
 
-def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor], blocks: int = 1) -> None:
+def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor]) -> None:
     """Run a backward kernel that adds each query's shares into its selected keys' rows of
     ``outs`` (fp32, [B, T, G, width] or [B, T, width] for G = 1): ``launch(t0, queries, targets,
     ordered)``. By fp32 atomics, at once; under ``torch.use_deterministic_algorithms`` (where the
-    atomics would make every run differ) in chunks of queries, each query (and each of its
-    ``blocks`` of heads) writing a slot per key into zeroed buffers [B, queries, G, blocks, NK,
-    width] (at most ``ORDERED_BYTES`` at once) that torch's deterministic ``index_add_`` then
-    sums. A slot past a query's count stays zero and adds to row 0."""
+    atomics would make every run differ) in chunks of queries, each query writing a slot per key
+    into zeroed buffers [B, queries, G, 1, NK, width] (at most ``ORDERED_BYTES`` at once) that
+    torch's deterministic ``index_add_`` then sums. A slot past a query's count stays zero and
+    adds to row 0."""
     B, T, NK = idx_BTK.shape
     if not torch.are_deterministic_algorithms_enabled():
         launch(0, T, outs, False)
         return
     widths = [o.shape[-1] for o in outs]
-    tc = max(1, min(T, ORDERED_BYTES // (4 * B * G * blocks * NK * sum(widths))))
+    tc = max(1, min(T, ORDERED_BYTES // (4 * B * G * NK * sum(widths))))
     b = torch.arange(B, device=idx_BTK.device)[:, None, None, None, None]
     g = torch.arange(G, device=idx_BTK.device)[None, None, :, None, None]
     for t0 in range(0, T, tc):
         n = min(tc, T - t0)
         keys = idx_BTK[:, t0 : t0 + n, None, None, :].clamp(min=0).long()
-        rows = ((b * T + keys) * G + g).expand(B, n, G, blocks, NK).reshape(-1)
-        bufs = [torch.zeros(B, n, G, blocks, NK, w, device=idx_BTK.device) for w in widths]
+        rows = ((b * T + keys) * G + g).expand(B, n, G, 1, NK).reshape(-1)
+        bufs = [torch.zeros(B, n, G, 1, NK, w, device=idx_BTK.device) for w in widths]
         launch(t0, n, bufs, True)
         for out, buf, w in zip(outs, bufs, widths, strict=True):
             out.view(-1, w).index_add_(0, rows, buf.view(-1, w))
+
+
+def _grads_from_walk(walk, q, k, do, dq, idx, cnt, targets, scale, shared, chunk, n, HP, ordered) -> None:
+    """Every gradient of ``n`` queries from the walk's p and ds (``_attn_bwd``): dq = scale ds k,
+    and into ``targets`` ([dk] or [dk, dv]) dk += scale ds^T q and dv += p^T do, each a product
+    of all of a query's heads; ``shared`` (v the keys' first E dims): p^T do added into dk's first
+    E columns in the same product, which then covers [0, E) with both and [E, D) with ds^T q."""
+    pt, dst = walk
+    B, T, H, D = q.shape
+    G, E = pt.shape[2], do.shape[-1]
+    if shared:
+        parts = [(dst, q, pt, do, targets[0], scale, 0, E), (dst, q, None, None, targets[0], scale, E, D)]
+    else:
+        parts = [(dst, q, None, None, targets[0], scale, 0, D), (pt, do, None, None, targets[-1], 1.0, 0, E)]
+    cfg = dict(CONFIG["keys"])
+    cfg["NT"] = max(16, cfg["NT"] * 64 // max(64, HP) // (q.element_size() // 2))
+    for a, x, a2, x2, out, s, c0, c1 in parts:
+        if c1 <= c0:
+            continue
+        nt = min(cfg["NT"], _pow2(c1 - c0))
+        _key_shares[(triton.cdiv(c1 - c0, nt), n, B * G)](
+            a, x, a if a2 is None else a2, x if x2 is None else x2, k, dq, idx, cnt, out, T, idx.shape[-1], s,
+            *chunk, c0, c1, H=H, G=G, DX=x.shape[-1], DX2=(x if x2 is None else x2).shape[-1], W=out.shape[-1],
+            HP=HP, PREC=dot_precision(q), **{**cfg, "NT": nt}, ADD=a2 is not None, QGRAD=a is dst, ORDERED=ordered,
+        )  # fmt: skip
 
 
 def _row_dots(a: torch.Tensor, b: torch.Tensor, chunk_bytes: int = 2**30) -> torch.Tensor:
@@ -585,38 +661,26 @@ class _SparseAttention(torch.autograd.Function):
         dv = None if shared else torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device) if target else None
         scale, scale2 = ctx.scale, ctx.scale * math.log2(math.e)
-        cfg = _bh(CONFIG["bwd"], H // G, q)
+        cfg = _bh(CONFIG["bwd shared" if shared else "bwd"], H // G, q)
         blocks = triton.cdiv(H // G, cfg["BH"])
+        HP = _pow2(blocks * cfg["BH"])  # the walk's columns: every head of a key head
+        nc = max(1, min(T, WALK_BYTES // (2 * B * G * NK * HP * q.element_size())))
+        walk = [torch.empty(B, nc, G, NK, HP, dtype=q.dtype, device=q.device) for _ in range(2)]
 
         def bwd(t0, tc, targets, ordered):
             shares = torch.zeros(B, tc, G, blocks, NK, device=q.device) if ordered and target else p
-            _attn_bwd[(tc, B * G, blocks)](
-                q,
-                k,
-                v,
-                idx,
-                cnt,
-                do,
-                lse,
-                delta,
-                dq,
-                targets[0],
-                targets[-1],  # DV: unused where shared
-                shares,
-                T,
-                NK,
-                scale,
-                scale2,
-                t0,
-                tc,
-                **meta,
-                **cfg,
-                ORDERED=ordered,
-            )
+            for s0 in range(t0, t0 + tc, nc):
+                n = min(nc, t0 + tc - s0)
+                chunk = (s0, nc, t0, tc)
+                _attn_bwd[(n, B * G, blocks)](
+                    q, k, v, idx, cnt, do, lse, delta, *walk, shares, T, NK, scale2, *chunk,
+                    **meta, HP=HP, **cfg, ORDERED=ordered,
+                )  # fmt: skip
+                _grads_from_walk(walk, q, k, do, dq, idx, cnt, targets, scale, shared, chunk, n, HP, ordered)
             if shares is not p:  # the heads' shares of the target summed in a fixed order
                 p[:, t0 : t0 + tc] = shares.sum((2, 3))
 
-        _key_grads(bwd, idx, G, [dk] if shared else [dk, dv], blocks)
+        _key_grads(bwd, idx, G, [dk] if shared else [dk, dv])
         # shared: v's gradient is in dk (v a view of k, autograd adds nothing more for it)
         grads = (dq, dk.to(k.dtype), None if dv is None else dv.to(v.dtype), None, None)
         if not target:

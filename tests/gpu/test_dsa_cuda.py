@@ -305,26 +305,25 @@ def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, shared, 
 
 
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize(
-    "B,T,H,G,D,E,topk", [(1, 37, 4, 1, 24, 16, 8), (1, 30, 48, 1, 24, 16, 8), (2, 40, 4, 2, 24, 16, 8)]
-)
-def test_backward_with_the_keys_shares_transposed_matches_the_reference(B, T, H, G, D, E, topk, shared, monkeypatch):
-    """The backward's ``KT`` launch (a tuning candidate: the keys' shares as (q^T ds)^T, so that 64
-    heads a block fit in shared memory) gives the reference's gradients, in one head block or
-    several, shared values or apart."""
+@pytest.mark.parametrize("B,T,H,G,D,E,topk", [(1, 37, 48, 1, 24, 16, 8), (2, 40, 32, 2, 24, 16, 8)])
+def test_backward_in_chunks_of_queries_and_head_blocks_matches_the_reference(
+    B, T, H, G, D, E, topk, shared, monkeypatch
+):
+    """The backward's walk writes its p and ds for a chunk of queries at a time (``WALK_BYTES``:
+    here 4-6 chunks), each query's heads in several blocks (16 heads: 48 in three, the walk's
+    columns padded to 64), whose shares of the indexer's target add up; the keys' products then
+    take all of a query's heads. The output, the loss and every gradient match the reference's."""
     from kiln_kernels.dsa import triton as K
 
-    monkeypatch.setitem(K.CONFIG, "bwd", {**K.CONFIG["bwd"], "KT": True})
-    idx = K.indexer_topk(*indexer_inputs(B, T, 4, 16, torch.float32, seed=9), starts(B, T, True), topk)
+    for name in ("bwd", "bwd shared"):
+        monkeypatch.setitem(K.CONFIG, name, {**K.CONFIG[name], "BH": 16})
+    monkeypatch.setattr(K, "WALK_BYTES", 2 * B * G * topk * K._pow2(H // G) * 4 * (T // 5))
+    indexer = indexer_inputs(B, T, 4, 16, torch.float32, seed=9, exact_dots=True)
+    idx = K.indexer_topk(*indexer, starts(B, T, True), topk)
     g = torch.Generator(device=DEVICE).manual_seed(13)
     q, k, v = (torch.randn(B, T, n, d, device=DEVICE, generator=g) for n, d in ((H, D), (G, D), (G, E)))
     do = torch.randn(B, T, H, E, device=DEVICE, generator=g)
-    xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    x64 = [x.double().requires_grad_() for x in (q, k, v)]
-    K.sparse_attention(xs[0], xs[1], xs[1][..., :E] if shared else xs[2], idx, D**-0.5).backward(do)
-    R.sparse_attention(x64[0], x64[1], x64[1][..., :E] if shared else x64[2], idx, D**-0.5).backward(do.double())
-    for got, want in zip(xs[: 2 if shared else 3], x64, strict=False):
-        assert rel(got.grad, want.grad) < TOL[torch.float32]
+    attention_against_the_reference(q, k, None if shared else v, idx, indexer, do, torch.float32)
 
 
 @pytest.mark.parametrize("alias", ["detached", "keys without a gradient"])
