@@ -60,7 +60,7 @@ CANDIDATES = {  # each kernel's settings tried by --tune, each timed by the op t
         dict(BM=64, BN=256, num_warps=8, num_stages=2),
     ],
     "kl fwd": [dict(BK=32, num_warps=4), dict(BK=16, num_warps=4), dict(BK=64, num_warps=4)],
-    "kl bwd": [dict(BK=64, num_warps=4), dict(BK=32, num_warps=4), dict(BK=16, num_warps=4)],
+    "kl bwd": [dict(BK=64, num_warps=4), dict(BK=64, num_warps=8), dict(BK=32, num_warps=8), dict(BK=32, num_warps=4)],
     "fwd shared": [  # the model's values are the keys' first dims: one value block, EB = E, always
         dict(BH=64, EB=512, BK=64, num_warps=8),
         dict(BH=64, EB=512, BK=32, num_warps=8),
