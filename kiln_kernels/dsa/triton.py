@@ -514,7 +514,7 @@ def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor]) 
     ``outs`` (fp32, [B, T, G, width] or [B, T, width] for G = 1): ``launch(t0, queries, targets,
     ordered)``. By fp32 atomics, at once; under ``torch.use_deterministic_algorithms`` (where the
     atomics would make every run differ) in chunks of queries, each query writing a slot per key
-    into zeroed buffers [B, queries, G, 1, NK, width] (at most ``ORDERED_BYTES`` at once) that
+    into zeroed buffers [B, queries, G, NK, width] (at most ``ORDERED_BYTES`` at once) that
     torch's deterministic ``index_add_`` then sums. A slot past a query's count stays zero and
     adds to row 0."""
     B, T, NK = idx_BTK.shape
@@ -523,13 +523,13 @@ def _key_grads(launch, idx_BTK: torch.Tensor, G: int, outs: list[torch.Tensor]) 
         return
     widths = [o.shape[-1] for o in outs]
     tc = max(1, min(T, ORDERED_BYTES // (4 * B * G * NK * sum(widths))))
-    b = torch.arange(B, device=idx_BTK.device)[:, None, None, None, None]
-    g = torch.arange(G, device=idx_BTK.device)[None, None, :, None, None]
+    b = torch.arange(B, device=idx_BTK.device)[:, None, None, None]
+    g = torch.arange(G, device=idx_BTK.device)[None, None, :, None]
     for t0 in range(0, T, tc):
         n = min(tc, T - t0)
-        keys = idx_BTK[:, t0 : t0 + n, None, None, :].clamp(min=0).long()
-        rows = ((b * T + keys) * G + g).expand(B, n, G, 1, NK).reshape(-1)
-        bufs = [torch.zeros(B, n, G, 1, NK, w, device=idx_BTK.device) for w in widths]
+        keys = idx_BTK[:, t0 : t0 + n, None, :].clamp(min=0).long()
+        rows = ((b * T + keys) * G + g).expand(B, n, G, NK).reshape(-1)
+        bufs = [torch.zeros(B, n, G, NK, w, device=idx_BTK.device) for w in widths]
         launch(t0, n, bufs, True)
         for out, buf, w in zip(outs, bufs, widths, strict=True):
             out.view(-1, w).index_add_(0, rows, buf.view(-1, w))
@@ -823,7 +823,7 @@ def _kl_bwd(
     ORDERED: tl.constexpr,
 ):
     """A program per query; its dk shares by fp32 atomics, or (``ORDERED``, queries [t0, t0 + TC))
-    into its own slots of DK [B, TC, NK, DH] as _attn_bwd does."""
+    into its own slots of DK [B, TC, NK, DH] as _key_shares does."""
     t, b = t0 + tl.program_id(0), tl.program_id(1)
     cnt = tl.load(CNT + b * T + t)
     lse = tl.load(LSE + b * T + t)
