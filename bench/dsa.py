@@ -54,10 +54,10 @@ def timed(fn) -> float:
 
 CANDIDATES = {  # each kernel's settings tried by --tune, each timed by the op that runs it (``tune``)
     "index": [  # the top-k (its scoring kernel's tile)
+        dict(BM=64, BN=128, num_warps=4, num_stages=3),
+        dict(BM=64, BN=128, num_warps=4, num_stages=2),
+        dict(BM=64, BN=256, num_warps=8, num_stages=3),
         dict(BM=128, BN=128, num_warps=8, num_stages=3),
-        dict(BM=64, BN=128, num_warps=8, num_stages=3),
-        dict(BM=64, BN=64, num_warps=4, num_stages=3),
-        dict(BM=64, BN=256, num_warps=8, num_stages=2),
     ],
     "kl fwd": [dict(BK=32, num_warps=4), dict(BK=16, num_warps=4), dict(BK=64, num_warps=4)],
     "kl bwd": [dict(BK=64, num_warps=4), dict(BK=64, num_warps=8), dict(BK=32, num_warps=8), dict(BK=32, num_warps=4)],
