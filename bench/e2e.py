@@ -108,6 +108,10 @@ LONG = 16384  # longer rows (32k and up): Kiln recomputes (Swap Core), transform
 KILN_CACHE = ["kernels"]  # what Kiln's recompute keeps on the long rows (MemorySpec.cache_ops; --kiln-cache)
 DEV = default_device()  # CUDA, else an Ascend NPU (--check: the CPU)
 TAG = "e2e::"
+# a row's keys before either side has run (the issue's shape: null where a side has no number)
+EMPTY_ROW = dict(
+    kiln_tokens_per_s=None, kiln_peak_gib=None, hf_tokens_per_s=None, hf_peak_gib=None, kiln_first_step_s=None
+)
 CLASSES = ["KDA", "attention", "MoE", "projections + LoRA", "loss", "optimizer", "other"]
 
 
@@ -638,19 +642,11 @@ def main() -> None:
     rows = {(r["tokens"], r["layout"], r["experts"]): r for r in done["rows"]}
 
     def record(key, side, res):
-        r = rows.setdefault(
-            key,
-            {
-                "tokens": key[0],
-                "layout": key[1],
-                "experts": key[2],
-                "kiln_tokens_per_s": None,
-                "kiln_peak_gib": None,
-                "hf_tokens_per_s": None,
-                "hf_peak_gib": None,
-                "kiln_first_step_s": None,
-            },
-        )
+        """The side's result into its row (a new row, or the side's keys replacing all it held)."""
+        r = rows.setdefault(key, {"tokens": key[0], "layout": key[1], "experts": key[2], **EMPTY_ROW})
+        for k in [k for k in r if k.startswith(f"{side}_")]:  # this run replaces all the side said before
+            del r[k]
+        r.update({k: None for k in EMPTY_ROW if k.startswith(f"{side}_")})
         for k, v in res.items():
             r[f"{side}_{k}"] = v
         r[f"{side}_date"] = datetime.date.today().isoformat()  # the sides may be measured on other days

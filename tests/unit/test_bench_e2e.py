@@ -48,3 +48,25 @@ def test_a_run_keeps_the_file_and_moves_another_devices_table(tmp_path):
     assert sorted(r["tokens"] for r in again["rows"]) == [64, 128]
     assert again["previous_nvidia_h200_2026_12_06"] == theirs
     assert [k for k in again if k.startswith("previous_")] == ["previous_nvidia_h200_2026_12_06"]
+
+
+def test_a_sides_run_replaces_all_it_said_before(tmp_path):
+    """A row of this device whose Kiln side once failed (its error, an old split) and whose
+    transformers side ran: Kiln's new run leaves none of its old keys, and the other side's stay."""
+    out = tmp_path / "e2e.json"
+    old = {"tokens": 128, "layout": "single", "experts": False, "kiln_tokens_per_s": None, "kiln_peak_gib": None}
+    old |= {"kiln_error": "out of memory", "kiln_split_ms": {"KDA": 1.0}, "kiln_date": "2026-12-01"}
+    old |= {
+        "hf_tokens_per_s": 10.0,
+        "hf_peak_gib": 1.0,
+        "hf_error": "kept: its side did not run",
+        "kiln_first_step_s": None,
+    }
+    out.write_text(json.dumps({"rows": [old], "device": "cpu", "torch": "2.13.0", "date": "2026-12-01"}))
+
+    check(tmp_path, out, 128)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "kiln_error" not in row and "kiln_split_ms" not in row  # --no-profile: no split this time
+    assert row["kiln_tokens_per_s"] > 0 and row["kiln_date"] != "2026-12-01"
+    assert row["hf_tokens_per_s"] == 10.0 and row["hf_error"] == old["hf_error"]
+    assert row["speedup"] == row["kiln_tokens_per_s"] / 10.0
