@@ -52,12 +52,19 @@ def timed(fn) -> float:
     return median_ms(fn, reps=3, warmup=1)
 
 
-CANDIDATES = {  # each kernel's settings tried by --tune, each timed by the op that runs it (``tune``)
+# each kernel's settings tried by --tune, each timed by the op that runs it (``tune``)
+CANDIDATES: dict[str, list[dict[str, Any]]] = {
     "index": [  # the top-k (its scoring kernel's tile)
         dict(BM=64, BN=128, num_warps=4, num_stages=3),
         dict(BM=64, BN=128, num_warps=4, num_stages=2),
         dict(BM=64, BN=256, num_warps=8, num_stages=3),
         dict(BM=128, BN=128, num_warps=8, num_stages=3),
+    ],
+    "topk": [  # the k-th best key through the groups' bound (GS keys a group), or (share 0) in whole rows
+        dict(GS=4, share=0.75),
+        dict(GS=2, share=0.75),
+        dict(GS=8, share=0.75),
+        dict(GS=4, share=0.0),
     ],
     "kl fwd": [dict(BK=32, num_warps=4), dict(BK=16, num_warps=4), dict(BK=64, num_warps=4)],
     "kl bwd": [dict(BK=64, num_warps=4), dict(BK=64, num_warps=8), dict(BK=32, num_warps=8), dict(BK=32, num_warps=4)],
@@ -85,7 +92,7 @@ CANDIDATES = {  # each kernel's settings tried by --tune, each timed by the op t
 
 def tune(a) -> None:
     """Each kernel's candidate settings at the first --seq, the others at their defaults, timed by
-    the op that runs it: the top-k (``index``), the whole attention (forward with the target, and
+    the op that runs it: the top-k (``index``, ``topk``), the whole attention (forward with the target, and
     backward: ``fwd shared``, ``bwd``), the KL loss forward and backward (``kl fwd``, ``kl bwd``)."""
     T, H, D, E = a.seq[0], a.heads, 576, 512
     bf: dict[str, Any] = dict(device=DEV, dtype=torch.bfloat16)
@@ -108,7 +115,7 @@ def tune(a) -> None:
         o, loss = fused.sparse_attention(q, kv, kv[..., :E], idx, 0.07, (qi, ki, w))
         torch.autograd.backward([o, loss], [do, torch.ones_like(loss)])
 
-    ops = {"index": topk, "fwd shared": attn, "bwd shared": attn, "keys": attn}
+    ops = {"index": topk, "topk": topk, "fwd shared": attn, "bwd shared": attn, "keys": attn}
     ops |= dict.fromkeys(["kl fwd", "kl bwd"], lambda: fused.indexer_kl_loss(qi, ki, w, idx, target).backward())
     fastest: dict[str, dict] = {}
     for name, cands in CANDIDATES.items():

@@ -108,8 +108,9 @@ KERNELS |= {
     ),
     "dsa index": (
         dsa._index_keys,
-        dict(Q=BF, Kx=BF, W=BF, STARTS=I32, OUT=I32, t0="i32", t1="i32", T="i32", S="i32", scale="fp32"),
-        INDEXER,
+        dict(Q=BF, Kx=BF, W=BF, STARTS=I32, OUT=I32, MAXES=I32, t0="i32", t1="i32", T="i32", S="i32", NG="i32")
+        | dict(scale="fp32"),
+        INDEXER | dict(GS=4),
     ),
     "dsa kl fwd": (
         dsa._kl_fwd,

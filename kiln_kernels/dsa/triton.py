@@ -4,7 +4,8 @@ the indexer's top-k and without gathered copies of the keys.
 - ``indexer_topk``: one kernel scores a block of queries against a block of keys (the index
   heads looped inside, ReLU and weights fused) and writes each score as an int32 in the scores'
   order (its fp32 bits, the negative ones' flipped); ``torch.topk`` gives each row's k-th best
-  value only, and a second kernel walks the row once, taking every key above it and the earliest
+  value only (on long rows from the keys above a bound the scoring kernel also writes: ``_kth``),
+  and a second kernel walks the row once, taking every key above it and the earliest
   keys at it (ties go to the earlier key, as the reference's), into the index list in descending
   position. Queries go in chunks of at most 2 GiB of order keys; only keys up to the chunk's last
   query are scored.
@@ -12,7 +13,8 @@ the indexer's top-k and without gathered copies of the keys.
   (query, key head, block of its query heads), online softmax over blocks of gathered keys; where
   the values are a view of the keys' first dims (MLA's absorbed latent, ``shared_values``), they
   come from the key tile already loaded.
-  Backward in two kernels, a chunk of queries at a time (``WALK_BYTES``). The walk, a program per
+  Backward in two kernels (after each output row's do . o, ``_row_dots``), a chunk of queries
+  at a time (``WALK_BYTES``). The walk, a program per
   (query, key head, block of 64 query heads: wgmma), recomputes a key block's probabilities p and
   score gradients ds and writes both in the inputs' dtype, key-major. Then a program per (column
   tile, query, key head) turns them into every gradient with products of all of a query's heads:
@@ -36,6 +38,7 @@ so that no lane of the dot products is padding. fp32 inputs use IEEE dots.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -79,10 +82,12 @@ def _index_keys(
     W,
     STARTS,
     OUT,
+    MAXES,
     t0,
     t1,
     T,
     S,
+    NG,
     scale,
     J: tl.constexpr,
     DH: tl.constexpr,
@@ -90,12 +95,14 @@ def _index_keys(
     BM: tl.constexpr,
     BN: tl.constexpr,
     PREC: tl.constexpr,
+    GS: tl.constexpr,
 ):
     """Order keys of queries [t0, t1) against keys [0, t1 + S - T) (the queries are the last T of
     the S keys: S = T but under context parallel): each score's fp32 bits as an int32 in the
     scores' order, ``NONE`` where the key may not be seen. The key tiles are the grid's fastest
     axis: the programs running at once share one tile of queries (L2-resident) and stream the
-    keys, where the other order read each query tile from memory once per key tile."""
+    keys, where the other order read each query tile from memory once per key tile. ``GS``:
+    the best key of each group of GS too, into MAXES [B, t1 - t0, NG] (the top-k's bound)."""
     pn, pm, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = t0 + pm * BM + tl.arange(0, BM)
     cols = pn * BN + tl.arange(0, BN)
@@ -125,8 +132,12 @@ def _index_keys(
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     allowed = (cols[None, :] >= starts[:, None]) & (cols[None, :] <= rows[:, None] + S - T)
     key = tl.where(allowed, key, NONE)
-    out = OUT + (b * (t1 - t0) + rows[:, None] - t0).to(tl.int64) * width + cols[None, :]
-    tl.store(out, key, mask=row_ok[:, None] & col_ok[None, :])
+    row = (b * (t1 - t0) + rows[:, None] - t0).to(tl.int64)
+    tl.store(OUT + row * width + cols[None, :], key, mask=row_ok[:, None] & col_ok[None, :])
+    if GS > 0:  # each group of GS keys' best, into MAXES [B, t1 - t0, NG]
+        best = tl.max(tl.reshape(key, [BM, BN // GS, GS]), 2)
+        group = pn * (BN // GS) + tl.arange(0, BN // GS)
+        tl.store(MAXES + row * NG + group[None, :], best, mask=row_ok[:, None] & (group[None, :] < NG))
 
 
 @triton.jit
@@ -162,6 +173,52 @@ def _select(KEYS, KTH, EQUAL, STARTS, IDX, t0, t1, T, S, NK, BLOCK: tl.constexpr
         tl.store(out + k0 + kk, -1, mask=k0 + kk < NK)
 
 
+@triton.jit
+def _above(KEYS, LOW, STARTS, CAND, COUNT, t0, t1, T, S, CAP, BLOCK: tl.constexpr):
+    """A program per query of [t0, t1): its order keys above ``LOW``, packed into its row of
+    CAND [B, t1 - t0, CAP] (at most CAP of them, ``indexer_topk`` makes sure), and how many."""
+    r, b = tl.program_id(0), tl.program_id(1)
+    t = t0 + r
+    width = t1 + S - T
+    row = (b * (t1 - t0) + r).to(tl.int64)
+    low = tl.load(LOW + row)
+    lo = tl.load(STARTS + b * T + t)
+    hi = t + S - T + 1
+    taken = 0
+    for c0 in range(lo // BLOCK * BLOCK, hi, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        v = tl.load(KEYS + row * width + cols, mask=(cols >= lo) & (cols < hi), other=NONE)
+        take = (v > low).to(tl.int32)
+        slot = taken + tl.cumsum(take, 0) - take
+        tl.store(CAND + row * CAP + slot, v, mask=(take > 0) & (slot < CAP))
+        taken += tl.sum(take, 0)
+    tl.store(COUNT + row, taken)
+
+
+def _kth(keys: torch.Tensor, maxes: torch.Tensor | None, GS: int, starts, t0, t1, T, S, K):
+    """Each row's k-th best order key and how many keys at it to take, without a host read. With
+    ``maxes`` (each group of GS keys' best): the k-th best group best
+    ``low`` bounds the k-th best key from below, and fewer than K groups hold a key above it, so
+    at most (K - 1) GS keys lie above ``low``: the k-th best is found among those (``_above``)
+    when there are K of them, and is ``low`` itself when there are fewer. torch.topk then reads
+    the groups' bests and those keys, not the rows (a quarter to a third of them from 32k keys)."""
+    if maxes is None:
+        best = keys.topk(K, dim=-1, sorted=False).values
+        kth = best.min(-1).values
+        return kth, K - (best > kth[..., None]).sum(-1, dtype=torch.int32)
+    B, n = keys.shape[:2]
+    low = maxes.topk(K, dim=-1, sorted=False).values.min(-1).values
+    cap = K * GS
+    cand = torch.full((B, n, cap), NONE.value, dtype=torch.int32, device=keys.device)
+    count = torch.empty(B, n, dtype=torch.int32, device=keys.device)
+    _above[(n, B)](keys, low.contiguous(), starts, cand, count, t0, t1, T, S, cap, BLOCK=1024)
+    best = cand.topk(K, dim=-1, sorted=False).values
+    above = count >= K
+    kth = torch.where(above, best.min(-1).values, low)
+    equal = torch.where(above, K - (best > kth[..., None]).sum(-1, dtype=torch.int32), K - count)
+    return kth, equal
+
+
 def indexer_topk(
     q_BTJD: torch.Tensor, k_BSD: torch.Tensor, w_BTJ: torch.Tensor, starts_BT: torch.Tensor, topk: int
 ) -> torch.Tensor:
@@ -173,19 +230,22 @@ def indexer_topk(
     idx = torch.empty((B, T, K), dtype=torch.int32, device=q.device)
     cfg = CONFIG["index"]
     BM, BN = cfg["BM"], cfg["BN"]
+    GS, share = min(CONFIG["topk"]["GS"], BN), CONFIG["topk"]["share"]
     rows = max(BM, (2**31 // 4) // (B * S) // BM * BM)  # queries per chunk: at most 2 GiB of order keys
     for t0 in range(0, T, rows):
         t1 = min(T, t0 + rows)
         width = t1 + S - T  # the keys these queries may see, at most
         keys = torch.empty(B, t1 - t0, width, dtype=torch.int32, device=q.device)
+        ng = triton.cdiv(width, GS)
+        bound = ng >= K and ng + K * GS < width * share  # torch.topk then reads less than ``share`` of it
+        maxes = torch.empty(B, t1 - t0, ng, dtype=torch.int32, device=q.device) if bound else None
         grid = (triton.cdiv(width, BN), triton.cdiv(t1 - t0, BM), B)
         _index_keys[grid](
-            q, k, w, starts, keys, t0, t1, T, S, DH**-0.5, J=J, DH=DH, DH_PAD=_pow2(DH), PREC=dot_precision(q), **cfg
-        )
+            q, k, w, starts, keys, keys if maxes is None else maxes, t0, t1, T, S, ng, DH**-0.5,
+            J=J, DH=DH, DH_PAD=_pow2(DH), PREC=dot_precision(q), **cfg, GS=0 if maxes is None else GS,
+        )  # fmt: skip
         if width > K:  # the k-th best key of each row, and how many of that value to take
-            best = keys.topk(K, dim=-1, sorted=False).values
-            kth = best.min(-1).values
-            equal = K - (best > kth[..., None]).sum(-1, dtype=torch.int32)
+            kth, equal = _kth(keys, maxes, GS, starts, t0, t1, T, S, K)
         else:  # no row has more keys than k: every allowed key
             kth = torch.full((B, t1 - t0), NONE.value, dtype=torch.int32, device=q.device)
             equal = torch.zeros_like(kth)
@@ -490,7 +550,7 @@ def _key_shares(
 
 
 # block sizes and warps per kernel; bench/dsa.py --tune measures others
-CONFIG = {
+CONFIG: dict[str, dict[str, Any]] = {
     # key tiles the grid's fastest axis; this tile's scoring 1.33x-1.78x 128 x 128's with query
     # tiles fastest (H100, 16k-128k)
     "index": dict(BM=64, BN=128, num_warps=4, num_stages=3),
@@ -503,6 +563,9 @@ CONFIG = {
     "bwd shared": dict(BH=64, BK=64, num_warps=4, num_stages=1),
     # columns x keys, NT for 64 heads, halved at 128 and for fp32; 1.10x 128 x 64 on 4 warps (H100, 16k)
     "keys": dict(NT=128, BK=128, num_warps=8),
+    # the top-k's bound (_kth): keys a group, and the share of the order keys torch.topk must read
+    # less than for the bound to be used
+    "topk": dict(GS=4, share=0.75),
     "kl fwd": dict(BK=32, num_warps=4),
     "kl bwd": dict(BK=64, num_warps=4),  # the loss's forward + backward 1.3x 16 keys' (H100, 16k)
 }
@@ -563,15 +626,27 @@ def _grads_from_walk(walk, q, k, do, dq, idx, cnt, targets, scale, shared, chunk
         )  # fmt: skip
 
 
-def _row_dots(a: torch.Tensor, b: torch.Tensor, chunk_bytes: int = 2**30) -> torch.Tensor:
-    """(a * b).sum(-1) in fp32, a chunk of rows at a time: a and b whole in fp32 would take
-    16 GiB each at 128k tokens of 64 heads x 512."""
-    flat_a, flat_b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-    out = torch.empty(flat_a.shape[0], dtype=torch.float32, device=a.device)
-    rows = max(1, chunk_bytes // (4 * a.shape[-1]))
-    for r in range(0, flat_a.shape[0], rows):
-        out[r : r + rows] = (flat_a[r : r + rows].float() * flat_b[r : r + rows].float()).sum(-1)
-    return out.view(a.shape[:-1])
+@triton.jit
+def _row_dot(A, B_, OUT, N, W: tl.constexpr, W_PAD: tl.constexpr, R: tl.constexpr):
+    """OUT[r] = sum_c A[r, c] B_[r, c] in fp32, a program per R rows."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    c = tl.arange(0, W_PAD)
+    ok = (rows < N)[:, None] & (c < W)[None, :]
+    at = rows.to(tl.int64)[:, None] * W + c[None, :]
+    a = tl.load(A + at, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(B_ + at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + rows, tl.sum(a * b, 1), mask=rows < N)
+
+
+def _row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(a * b).sum(-1) in fp32 (a and b contiguous, of one shape), each read once (torch's fp32
+    copies of a chunk at a time moved about six times their bytes)."""
+    W = a.shape[-1]
+    n = a.numel() // W
+    out = torch.empty(a.shape[:-1], dtype=torch.float32, device=a.device)
+    R = max(1, 4096 // _pow2(W))
+    _row_dot[(triton.cdiv(n, R),)](a, b, out, n, W=W, W_PAD=_pow2(W), R=R, num_warps=4)
+    return out
 
 
 def shared_values(k: torch.Tensor, v: torch.Tensor) -> bool:

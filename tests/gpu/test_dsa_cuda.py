@@ -60,9 +60,31 @@ def indexer_inputs(B, T, J, DH, dtype, seed, exact_dots=False):
     return q, k, w
 
 
+@pytest.fixture(params=["rows", "bound"])
+def kth_from(request, monkeypatch):
+    """The top-k's k-th best key found in whole rows, or (``bound``) among the keys above the
+    groups' bound (``_kth``), taken here at lengths where its cost rule would not take it; the
+    test fails where the path named is not the one that ran."""
+    from kiln_kernels.dsa import triton as K
+
+    params = request.node.callspec.params
+    if request.param == "bound" and params.get("S", params.get("T", 0)) < 2 * params.get("topk", 0):
+        pytest.skip("fewer groups of two keys than k: no bound")
+    monkeypatch.setitem(K.CONFIG, "topk", dict(GS=2, share=2.0 if request.param == "bound" else 0.0))
+    used, kth = [], K._kth
+
+    def spy(keys, maxes, *args):
+        used.append(maxes is not None)
+        return kth(keys, maxes, *args)
+
+    monkeypatch.setattr(K, "_kth", spy)
+    yield
+    assert used and all(used) == (request.param == "bound")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,J,DH,topk,packed", INDEX)
-def test_topk_selects_the_best_keys(B, T, J, DH, topk, packed, dtype):
+def test_topk_selects_the_best_keys(B, T, J, DH, topk, packed, dtype, kth_from):
     from kiln_kernels.dsa.triton import indexer_topk
 
     q, k, w = indexer_inputs(B, T, J, DH, dtype, seed=T)
@@ -88,7 +110,7 @@ def test_topk_selects_the_best_keys(B, T, J, DH, topk, packed, dtype):
 @pytest.mark.parametrize(
     "S,T,topk,packed", [(90, 37, 8, True), (64, 64, 16, False), pytest.param(3000, 1000, 512, True, marks=gpu_only)]
 )
-def test_topk_of_the_last_queries_against_earlier_keys(S, T, topk, packed):
+def test_topk_of_the_last_queries_against_earlier_keys(S, T, topk, packed, kth_from):
     """Context parallel's form: queries that are the last T of S keys choose what the same
     queries choose when every key's query is there too (their starts as they were)."""
     from kiln_kernels.dsa.triton import indexer_topk
@@ -103,7 +125,7 @@ def test_topk_of_the_last_queries_against_earlier_keys(S, T, topk, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_topk_ties_go_to_the_earlier_key(packed):
+def test_topk_ties_go_to_the_earlier_key(packed, kth_from):
     """Scores on a coarse grid, exact in fp32 summed in any order: many keys tie (at 0 and above
     it), and the kernel chooses exactly what the reference chooses, the earlier key of a tie."""
     from kiln_kernels.dsa.triton import indexer_topk
@@ -202,6 +224,20 @@ def test_values_that_are_the_keys_first_dims_match_the_reference(B, T, H, G, D, 
     do = torch.randn(B, T, H, E, device=DEVICE, generator=g).to(dtype)
     assert shared_values(kv, kv[..., :E]) and not shared_values(kv, kv[..., :E].contiguous())
     attention_against_the_reference(q, kv, None, idx, indexer, do, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 37, 16), (2, 5, 100), (1, 9, 4, 512)])
+def test_row_dots_are_fp32_sums_of_products(shape, dtype):
+    """The backward's delta (the output gradient's dot with the output, a row each): rows and
+    widths that fill no block, products summed in fp32 whatever the inputs' dtype."""
+    from kiln_kernels.dsa.triton import _row_dots
+
+    g = torch.Generator(device=DEVICE).manual_seed(29)
+    a, b = (torch.randn(shape, device=DEVICE, generator=g).to(dtype) for _ in range(2))
+    got = _row_dots(a, b)
+    assert got.dtype == torch.float32 and got.shape == shape[:-1]
+    assert rel(got, (a.double() * b.double()).sum(-1)) < 1e-6
 
 
 @pytest.mark.parametrize("which", ["output", "loss"])
