@@ -176,7 +176,7 @@ def _select(KEYS, KTH, EQUAL, STARTS, IDX, t0, t1, T, S, NK, BLOCK: tl.constexpr
 @triton.jit
 def _above(KEYS, LOW, STARTS, CAND, COUNT, t0, t1, T, S, CAP, BLOCK: tl.constexpr):
     """A program per query of [t0, t1): its order keys above ``LOW``, packed into its row of
-    CAND [B, t1 - t0, CAP] (at most CAP of them, ``indexer_topk`` makes sure), and how many."""
+    CAND [B, t1 - t0, CAP] (``_kth`` makes room for all of them), and how many."""
     r, b = tl.program_id(0), tl.program_id(1)
     t = t0 + r
     width = t1 + S - T
@@ -197,11 +197,11 @@ def _above(KEYS, LOW, STARTS, CAND, COUNT, t0, t1, T, S, CAP, BLOCK: tl.constexp
 
 def _kth(keys: torch.Tensor, maxes: torch.Tensor | None, GS: int, starts, t0, t1, T, S, K):
     """Each row's k-th best order key and how many keys at it to take, without a host read. With
-    ``maxes`` (each group of GS keys' best): the k-th best group best
-    ``low`` bounds the k-th best key from below, and fewer than K groups hold a key above it, so
-    at most (K - 1) GS keys lie above ``low``: the k-th best is found among those (``_above``)
-    when there are K of them, and is ``low`` itself when there are fewer. torch.topk then reads
-    the groups' bests and those keys, not the rows (a quarter to a third of them from 32k keys)."""
+    ``maxes`` (each group of GS keys' best): the k-th best group best ``low`` bounds the k-th
+    best key from below, and fewer than K groups hold a key above it, so at most (K - 1) GS keys
+    lie above ``low`` (``_above`` packs them into K GS slots): the k-th best is among those when
+    there are K of them, and is ``low`` itself when there are fewer. torch.topk then reads the
+    groups' bests and those keys, not the rows."""
     if maxes is None:
         best = keys.topk(K, dim=-1, sorted=False).values
         kth = best.min(-1).values
