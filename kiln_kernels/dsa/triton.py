@@ -203,20 +203,23 @@ def _kth(keys: torch.Tensor, maxes: torch.Tensor | None, GS: int, starts, t0, t1
     there are K of them, and is ``low`` itself when there are fewer. torch.topk then reads the
     groups' bests and those keys, not the rows."""
     if maxes is None:
-        best = keys.topk(K, dim=-1, sorted=False).values
-        kth = best.min(-1).values
-        return kth, K - (best > kth[..., None]).sum(-1, dtype=torch.int32)
+        return _kth_of(keys, K)
     B, n = keys.shape[:2]
     low = maxes.topk(K, dim=-1, sorted=False).values.min(-1).values
     cap = K * GS
     cand = torch.full((B, n, cap), NONE.value, dtype=torch.int32, device=keys.device)
     count = torch.empty(B, n, dtype=torch.int32, device=keys.device)
     _above[(n, B)](keys, low.contiguous(), starts, cand, count, t0, t1, T, S, cap, BLOCK=1024)
-    best = cand.topk(K, dim=-1, sorted=False).values
+    kth, equal = _kth_of(cand, K)
     above = count >= K
-    kth = torch.where(above, best.min(-1).values, low)
-    equal = torch.where(above, K - (best > kth[..., None]).sum(-1, dtype=torch.int32), K - count)
-    return kth, equal
+    return torch.where(above, kth, low), torch.where(above, equal, K - count)
+
+
+def _kth_of(rows: torch.Tensor, K: int):
+    """Each row's k-th best value and how many of the row's k best equal it."""
+    best = rows.topk(K, dim=-1, sorted=False).values
+    kth = best.min(-1).values
+    return kth, K - (best > kth[..., None]).sum(-1, dtype=torch.int32)
 
 
 def indexer_topk(
