@@ -9,9 +9,11 @@ found before a device is lent.
 Shapes: Kimi Linear's KDA head (K = V = 128) and the hybrid's absorbed MLA for DSA (64 heads, q/k
 576, v 512; its indexer 64 heads of 128), bf16 inputs, tf32 products where the kernels take them;
 the arguments carry the launcher's alignment hints (``aligned``). Prints a line per kernel and
-setting: registers a thread, spill stores and loads (bytes), the asynchronous copies
-(cp.async: loads the software pipeline issues ahead of their use) in the kernel's TTGIR, whether
-its products run on wgmma, and the shared memory a block takes (over 227 KB it cannot launch).
+setting: registers a thread, spill stores and loads (bytes), the asynchronous copies (cp.async:
+loads the software pipeline issues ahead of their use) in the kernel's TTGIR and how many buffers
+a tile gets (n: its loads n - 1 iterations ahead; a gather whose rows come from an index load of
+the same loop gets 2, one block ahead, at 3 stages, and 3 from 5), whether its products run on
+wgmma, and the shared memory a block takes (over 227 KB it cannot launch).
 """
 
 from __future__ import annotations
@@ -170,12 +172,16 @@ def usage(kernel: str, launch: dict) -> str:
     text = out.stderr.decode()
     ttgir = compiled.asm["ttgir"]
     regs = re.search(r"Used (\d+) registers", text)
+    # the software pipeline's buffers of a tile (the most of any 2-D tile it copies ahead): with
+    # n, a tile's loads run n - 1 iterations ahead of their use
+    depth = max((int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", ttgir)), default=0)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     smem = compiled.metadata.shared
     return (
         f"{regs.group(1) if regs else '?'} registers, "
         + (f"spills {spills.group(1)} B stored, {spills.group(2)} B loaded" if spills else "no spill line")
         + f", {ttgir.count('async_copy_global_to_local')} async copies"
+        + (f" ({depth} buffers a tile)" if depth else "")
         + (", wgmma" if "warp_group_dot" in ttgir else "")
         + f", {smem // 1024} KB shared"
         + (" (over the 227 KB a block may have: fails at launch)" if smem > SMEM else "")
