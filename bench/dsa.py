@@ -66,38 +66,31 @@ CANDIDATES: dict[str, list[dict[str, Any]]] = {
         dict(GS=8, share=0.75),
         dict(GS=4, share=0.0),
     ],
-    # the KL loss: at 5-6 stages the gathers go 2 blocks ahead (1 at 3)
-    "kl fwd": [dict(BK=32, num_warps=4), dict(BK=64, num_warps=4), dict(BK=32, num_warps=4, num_stages=5)]
-    + [dict(BK=16, num_warps=4, num_stages=6)],
-    "kl bwd": [dict(BK=64, num_warps=4), dict(BK=32, num_warps=8), dict(BK=64, num_warps=4, num_stages=5)]
-    + [dict(BK=32, num_warps=4, num_stages=5), dict(BK=32, num_warps=8, num_stages=5)],
+    "kl fwd": [dict(BK=32, num_warps=4), dict(BK=16, num_warps=4), dict(BK=64, num_warps=4)],
+    "kl bwd": [dict(BK=64, num_warps=4), dict(BK=64, num_warps=8), dict(BK=32, num_warps=8), dict(BK=32, num_warps=4)],
     "fwd shared": [  # the model's values are the keys' first dims: one value block, EB = E, always
         dict(BH=64, EB=512, BK=64, num_warps=8),
         dict(BH=64, EB=512, BK=32, num_warps=8),
-        # the gathers 2 and 3 blocks ahead (3 and 4 key buffers; 2 at fewer stages: bench.regs)
-        dict(BH=64, EB=512, BK=32, num_warps=8, num_stages=5),
-        dict(BH=64, EB=512, BK=32, num_warps=8, num_stages=7),
-        dict(BH=64, EB=512, BK=16, num_warps=8, num_stages=8),
+        dict(BH=64, EB=512, BK=64, num_warps=4),
+        dict(BH=32, EB=512, BK=64, num_warps=8),
     ],
     "bwd shared": [  # the model's
-        dict(BH=64, BK=64, num_warps=4, num_stages=1),
+        dict(BH=64, BK=64, num_warps=8, num_stages=1),
         dict(BH=64, BK=32, num_warps=8, num_stages=2),
-        # 16 keys a block, their gathers 2 and 3 blocks ahead
-        dict(BH=64, BK=16, num_warps=4, num_stages=5),
-        dict(BH=64, BK=16, num_warps=4, num_stages=7),
-        dict(BH=64, BK=16, num_warps=8, num_stages=6),
+        dict(BH=64, BK=32, num_warps=8, num_stages=1),
+        dict(BH=64, BK=64, num_warps=4, num_stages=1),
     ],
     "keys": [
         dict(NT=128, BK=128, num_warps=8),
         dict(NT=64, BK=128, num_warps=8),
-        dict(NT=128, BK=64, num_warps=8, num_stages=5),
-        dict(NT=64, BK=128, num_warps=4, num_stages=5),
+        dict(NT=128, BK=128, num_warps=8, num_stages=2),
         dict(NT=64, BK=64, num_warps=4),
+        dict(NT=128, BK=64, num_warps=4),
     ],
 }
 
 
-def tune(a) -> dict[str, dict]:
+def tune(a) -> None:
     """Each kernel's candidate settings at the first --seq, the others at their defaults, timed by
     the op that runs it: the top-k (``index``, ``topk``), the attention's forward alone (``fwd
     shared``), the whole attention (forward with the target, and backward: ``bwd shared``,
@@ -140,7 +133,6 @@ def tune(a) -> dict[str, dict]:
 
         fastest |= sweep(fused.CONFIG, {name: cands}, timing)
     print(f"fastest: {fastest}", flush=True)
-    return fastest
 
 
 def random_target(idx: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -294,8 +286,7 @@ def main() -> None:
     )
     a = ap.parse_args()
     if a.tune is not None:
-        tune(a)
-        return
+        return tune(a)
     H, D, E, J, Dh, _ = dims(a)
     print(
         f"{accelerator.name(DEV)}, torch {torch.__version__}; H={H}, D={D}, E={E}, index {J}x{Dh}, top-{a.topk}, bf16"
