@@ -67,10 +67,11 @@ def kth_from(request, monkeypatch):
     test fails where the path named is not the one that ran."""
     from kiln_kernels.dsa import triton as K
 
+    GS = 2
     params = request.node.callspec.params
-    if request.param == "bound" and params.get("S", params.get("T", 0)) < 2 * params.get("topk", 0):
-        pytest.skip("fewer groups of two keys than k: no bound")
-    monkeypatch.setitem(K.CONFIG, "topk", dict(GS=2, share=2.0 if request.param == "bound" else 0.0))
+    if request.param == "bound" and params.get("S", params.get("T", 0)) < GS * params.get("topk", 0):
+        pytest.skip(f"fewer groups of {GS} keys than k: no bound")
+    monkeypatch.setitem(K.CONFIG, "topk", dict(GS=GS, share=2.0 if request.param == "bound" else 0.0))
     used, kth = [], K._kth
 
     def spy(keys, maxes, *args):
