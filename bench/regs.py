@@ -172,8 +172,7 @@ def usage(kernel: str, launch: dict) -> str:
     text = out.stderr.decode()
     ttgir = compiled.asm["ttgir"]
     regs = re.search(r"Used (\d+) registers", text)
-    # the software pipeline's buffers of a tile (the most of any 2-D tile it copies ahead): with
-    # n, a tile's loads run n - 1 iterations ahead of their use
+    # the most buffers of any 2-D tile the pipeline copies into (the module's docstring)
     depth = max((int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x\d+x\d+x", ttgir)), default=0)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
     smem = compiled.metadata.shared
