@@ -5,6 +5,7 @@ found before a device is lent.
 
     python3 -m bench.regs          # every kernel at its CONFIG's settings (kiln_kernels.kda.triton, .dsa.triton)
     python3 -m bench.regs --tune   # and at bench.kda's and bench.dsa's candidate settings
+    python3 -m bench.regs "dsa fwd hopper" "dsa walk hopper"   # those named only (DSA's Gluon kernels)
 
 Shapes: Kimi Linear's KDA head (K = V = 128) and the hybrid's absorbed MLA for DSA (64 heads, q/k
 576, v 512; its indexer 64 heads of 128), bf16 inputs, tf32 products where the kernels take them;
@@ -13,7 +14,9 @@ setting: registers a thread, spill stores and loads (bytes), the asynchronous co
 loads the software pipeline issues ahead of their use) in the kernel's TTGIR and how many buffers
 a tile gets (n: its loads n - 1 iterations ahead; a gather whose rows come from an index load of
 the same loop gets 2, one block ahead, at 3 stages, and 3 from 5), whether its products run on
-wgmma, and the shared memory a block takes (over 227 KB it cannot launch).
+wgmma (and whether ptxas serialises them, C7514: an accumulator read while its product is in
+flight), and the shared memory a block takes (over 227 KB it cannot launch). Gluon kernels
+(kiln_kernels/dsa/hopper.py) compile the same way, at their fixed settings.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from bench import dsa as dsa_bench
 from bench import kda as kda_bench
+from kiln_kernels.dsa import hopper
 from kiln_kernels.dsa import triton as dsa
 from kiln_kernels.kda import chunk_bwd, chunk_fwd
 from kiln_kernels.kda import triton as kda
@@ -99,6 +104,21 @@ KEYS |= dict(C0="i32", C1="i32")
 KERNELS |= {
     "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False)),
     "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True)),  # the model's
+    # the model's on Hopper (Gluon): one block of 64 heads, 64 keys a block, 8 warps
+    "dsa fwd hopper": (
+        hopper._fwd,
+        dict(Q=BF, Kk=BF, IDX=I32, CNT=I32, O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32"),
+        dict(H=64, G=1, D=576, DA=512, DB=64, BH=hopper.BH, BK=hopper.BK, num_warps=hopper.WARPS),
+    ),
+    "dsa walk hopper": (
+        hopper._walk,
+        dict(Q=BF, Kk=BF, IDX=I32, CNT=I32)
+        | GRADS
+        | dict(PT=BF, DST=BF, P=F32, T="i32", NK="i32", scale2="fp32")
+        | CHUNK,
+        dict(H=64, G=1, D=576, DA=512, DB=64, HP=64, ORDERED=False, WEIGHTS=True)
+        | dict(BH=hopper.BH, BK=hopper.WALK_BK, num_warps=hopper.WALK_WARPS),
+    ),
     "dsa bwd": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, HP=64, ORDERED=False, SHARED=False, WEIGHTS=False)),
     # the model's where the indexer learns: the target's shares from the same walk
     "dsa bwd shared": (dsa._attn_bwd, BWD, MLA | dict(E_PAD=512, HP=64, ORDERED=False, SHARED=True, WEIGHTS=True)),
@@ -130,6 +150,8 @@ KERNELS |= {
 
 def settings(kernel: str, tune: bool) -> list[dict]:
     """The kernel's launch settings today (its module's CONFIG), then its bench's candidates."""
+    if kernel.endswith(" hopper"):  # fixed settings (its KERNELS entry)
+        return [dict(num_warps=KERNELS[kernel][2]["num_warps"])]
     name = kernel.removeprefix("dsa ")
     config, candidates = (dsa.CONFIG, dsa_bench.CANDIDATES) if kernel != name else (kda.CONFIG, kda_bench.CANDIDATES)
     name = name if name in config else name.removesuffix(" shared")
@@ -157,7 +179,7 @@ def usage(kernel: str, launch: dict) -> str:
         **{k: v for k, v in launch.items() if k not in ("num_warps", "num_stages")},
     }
     options = {k: launch[k] for k in ("num_warps", "num_stages") if k in launch}
-    src = ASTSource(
+    src = (GluonASTSource if fn.is_gluon() else ASTSource)(
         fn=fn,
         signature={**args, **{k: "constexpr" for k in constexprs}},
         constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
@@ -182,6 +204,7 @@ def usage(kernel: str, launch: dict) -> str:
         + f", {ttgir.count('async_copy_global_to_local')} async copies"
         + (f" ({depth} buffers a tile)" if depth else "")
         + (", wgmma" if "warp_group_dot" in ttgir else "")
+        + (", wgmma serialised (ptxas C7514)" if "C7514" in text else "")
         + f", {smem // 1024} KB shared"
         + (" (over the 227 KB a block may have: fails at launch)" if smem > SMEM else "")
     )
@@ -189,9 +212,10 @@ def usage(kernel: str, launch: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("kernels", nargs="*", metavar="KERNEL", help="these only (names as printed)")
     ap.add_argument("--tune", action="store_true", help="bench.kda's and bench.dsa's candidate settings too")
     a = ap.parse_args()
-    for kernel in KERNELS:
+    for kernel in a.kernels or KERNELS:
         for launch in settings(kernel, a.tune):
             print(f"{kernel} {launch}: {usage(kernel, launch)}", flush=True)
 

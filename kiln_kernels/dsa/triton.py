@@ -12,7 +12,8 @@ the indexer's top-k and without gathered copies of the keys.
 - ``sparse_attention``: flash attention over each query's index list. Forward: a program per
   (query, key head, block of its query heads), online softmax over blocks of gathered keys; where
   the values are a view of the keys' first dims (MLA's absorbed latent, ``shared_values``), they
-  come from the key tile already loaded.
+  come from the key tile already loaded. On Hopper that case (16-bit, blocks of 64 heads) runs
+  in Gluon instead (``hopper.py``: the next block's gather overlaps this block's products).
   Backward in two kernels (after each output row's do . o, ``_row_dots``), a chunk of queries
   at a time (``WALK_BYTES``). The walk, a program per
   (query, key head, block of 64 query heads: wgmma), recomputes a key block's probabilities p and
@@ -685,6 +686,16 @@ def _bh(cfg: dict, HG: int, x: torch.Tensor) -> dict:
     return cfg
 
 
+def _hopper(q: torch.Tensor, meta: dict):
+    """The Gluon kernels' module (``hopper.py``) where they take the inputs: a Hopper GPU,
+    16-bit inputs, whole blocks of 64 heads, the model's dims; else None (Triton's run)."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return None
+    from kiln_kernels.dsa import hopper  # Gluon: NVIDIA's Triton only
+
+    return hopper if hopper.fits(q, meta["H"] // meta["G"], meta["DA"], meta["DB"]) else None
+
+
 class _SparseAttention(torch.autograd.Function):
     """The attention, and with the indexer's q, k and w its KL loss against its target: the
     target (the probabilities averaged over heads) comes from the backward's walk, which computes
@@ -701,10 +712,14 @@ class _SparseAttention(torch.autograd.Function):
         NK = idx.shape[-1]
         cnt = _counts(idx)
         scale2 = scale * math.log2(math.e)
+        fast = _hopper(q, meta) if shared else None  # the forward in Gluon
 
         def run():
             o = torch.empty(B, T, H, E, dtype=q.dtype, device=q.device)
             lse = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+            if fast is not None:
+                fast.forward(q, k, idx, cnt, o, lse, scale2, meta)
+                return o, lse
             cfg = _bh(CONFIG["fwd shared" if shared else "fwd"], H // G, q)
             cfg["EB"] = E if shared else min(cfg["EB"], _pow2(E))
             blocks = triton.cdiv(H // G, cfg["BH"]) * triton.cdiv(E, cfg["EB"])
@@ -747,6 +762,7 @@ class _SparseAttention(torch.autograd.Function):
         blocks = triton.cdiv(H // G, cfg["BH"])
         HP = _pow2(blocks * cfg["BH"])  # the walk's columns: every head of a key head
         nc = max(1, min(T, WALK_BYTES // (2 * B * G * NK * HP * q.element_size())))
+        fast = _hopper(q, meta) if shared else None  # the walk in Gluon
         walk = [torch.empty(B, nc, G, NK, HP, dtype=q.dtype, device=q.device) for _ in range(2)]
 
         def bwd(t0, tc, targets, ordered):
@@ -754,10 +770,27 @@ class _SparseAttention(torch.autograd.Function):
             for s0 in range(t0, t0 + tc, nc):
                 n = min(nc, t0 + tc - s0)
                 chunk = (s0, nc, t0, tc)
-                _attn_bwd[(n, B * G, blocks)](
-                    q, k, v, idx, cnt, do, lse, delta, *walk, shares, T, NK, scale2, *chunk,
-                    **meta, HP=HP, **cfg, ORDERED=ordered,
-                )  # fmt: skip
+                if fast is None:
+                    _attn_bwd[(n, B * G, blocks)](
+                        q, k, v, idx, cnt, do, lse, delta, *walk, shares, T, NK, scale2, *chunk,
+                        **meta, HP=HP, **cfg, ORDERED=ordered,
+                    )  # fmt: skip
+                else:
+                    fast.walk(
+                        q,
+                        k,
+                        idx,
+                        cnt,
+                        do,
+                        lse,
+                        delta,
+                        *walk,
+                        shares,
+                        scale2,
+                        chunk,
+                        n,
+                        meta | dict(HP=HP, ORDERED=ordered),
+                    )
                 _grads_from_walk(walk, q, k, do, dq, idx, cnt, targets, scale, shared, chunk, n, HP, ordered)
             if shares is not p:  # the heads' shares of the target summed in a fixed order
                 p[:, t0 : t0 + tc] = shares.sum((2, 3))

@@ -34,6 +34,7 @@ ATTN = [
     pytest.param(1, 1500, 16, 1, 576, 512, 512, False, marks=gpu_only),
     pytest.param(2, 700, 8, 8, 192, 128, 256, True, marks=gpu_only),
     pytest.param(1, 300, 128, 1, 576, 512, 2048, False, marks=gpu_only),
+    pytest.param(2, 333, 128, 2, 576, 512, 200, True, marks=gpu_only),  # bf16, shared: Hopper's Gluon kernels
 ]
 
 
@@ -227,6 +228,39 @@ def test_values_that_are_the_keys_first_dims_match_the_reference(B, T, H, G, D, 
     attention_against_the_reference(q, kv, None, idx, indexer, do, dtype)
 
 
+@gpu_only
+@pytest.mark.parametrize(
+    "B,T,H,G,topk,packed",
+    [(1, 300, 128, 1, 2048, False), (2, 333, 128, 2, 200, True), (1, 1100, 64, 1, 1000, False)],
+)
+def test_hopper_forward_matches_the_reference(B, T, H, G, topk, packed):
+    """The Gluon forward (Hopper; the model's shape: the values the keys' first 512 of 576 dims,
+    blocks of 64 heads): its output and its heads' log-sum-exps (base 2, which the backward
+    reads) against the float64 reference's, with two head blocks, two key heads, packed
+    documents, and counts that end inside a block of keys. The attention takes this path."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is Hopper's")
+    import math
+
+    from kiln_kernels.dsa import hopper
+    from kiln_kernels.dsa import triton as K
+
+    idx = K.indexer_topk(*indexer_inputs(B, T, 4, 16, torch.bfloat16, seed=3), starts(B, T, packed), topk)
+    g = torch.Generator(device=DEVICE).manual_seed(T + H)
+    q = torch.randn(B, T, H, 576, device=DEVICE, generator=g).to(torch.bfloat16)
+    kv = torch.randn(B, T, G, 576, device=DEVICE, generator=g).to(torch.bfloat16)
+    assert hopper.fits(q, H // G, 512, 64)
+    o = torch.empty(B, T, H, 512, dtype=q.dtype, device=DEVICE)
+    lse = torch.empty(B, T, H, device=DEVICE)
+    scale = 576**-0.5
+    meta = dict(H=H, G=G, D=576, DA=512, DB=64)
+    hopper.forward(q, kv, idx, K._counts(idx), o, lse, scale * math.log2(math.e), meta)
+    q64, kv64 = q.double(), kv.double()
+    assert rel(o, R.sparse_attention(q64, kv64, kv64[..., :512], idx, scale)) < TOL[torch.bfloat16]
+    assert rel(lse, torch.logsumexp(R._head_scores(q64, kv64, idx, scale), -1) / math.log(2)) < 1e-3
+    assert (K.sparse_attention(q, kv, kv[..., :512], idx, scale) == o).all()  # the attention's forward is this one
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 37, 16), (2, 5, 100), (1, 9, 4, 512)])
 def test_row_dots_are_fp32_sums_of_products(shape, dtype):
@@ -300,7 +334,12 @@ def test_indexer_loss_matches_the_reference(B, T, J, DH, topk, packed, dtype):
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize(
     "B,T,H,G,D,E,topk",
-    [(2, 28, 4, 2, 24, 16, 8), (1, 30, 48, 1, 24, 16, 8), pytest.param(1, 1500, 16, 1, 576, 512, 512, marks=gpu_only)],
+    [
+        (2, 28, 4, 2, 24, 16, 8),
+        (1, 30, 48, 1, 24, 16, 8),
+        pytest.param(1, 1500, 16, 1, 576, 512, 512, marks=gpu_only),
+        pytest.param(1, 400, 128, 1, 576, 512, 256, marks=gpu_only),  # bf16, shared: Hopper's Gluon walk
+    ],
 )
 def test_deterministic_backward_is_reproducible(B, T, H, G, D, E, topk, shared, dtype, monkeypatch):
     """Under torch.use_deterministic_algorithms the keys' gradients (attention and indexer loss) and

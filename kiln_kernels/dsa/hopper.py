@@ -1,0 +1,288 @@
+"""DSA's sparse attention on Hopper (sm_90), in Gluon: the forward and the backward's walk, for
+the model's case only (MLA's absorbed latent, the values the keys' first DA dims; bf16 or fp16;
+64 query heads a key head, or a multiple). The same arguments and outputs as ``triton._attn_fwd``
+and ``triton._attn_bwd`` with ``SHARED``; ``triton.py`` picks these where ``fits``.
+
+Why not Triton: its software pipeline issues a block's key gather after the block before it
+has been multiplied, at the end of an iteration, and waits for it at the top of the next, so
+the gather overlaps only the forward's P V product (``bench.regs``; bench/RESULTS.md,
+2026-12-07), and the walk, whose tiles leave room for one buffer only at 64 keys, has none.
+Here the order is written out, two buffers of key rows: block i + 1's rows are gathered
+(cp.async) while block i's products and softmax run; the index of block i + 2 is loaded
+meanwhile.
+
+Forward: a program per (query, key head, block of 64 query heads), two warp groups, each
+computing the scores of 64 heads against half of a block's 64 keys and the output's half of the
+value dims (the softmax's row statistics and P cross between them through shared memory). Walk:
+one warp group, 32 keys a block (q, do and two blocks of rows fill the shared memory).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+BH = 64  # query heads a program: one wgmma's rows
+BK = 64  # keys a block
+WARPS = 8
+WALK_BK = 32  # the walk's keys a block: q, do and two blocks of rows in shared memory
+WALK_WARPS = 4
+SMEM = 232448  # shared memory a block may have (227 KB)
+
+
+def fits(q: torch.Tensor, HG: int, DA: int, DB: int) -> bool:
+    """These kernels take these inputs (on a Hopper GPU): 16-bit, whole 64-head blocks, and the
+    forward's query tile with two key blocks (and P) in shared memory (the walk's tiles then fit
+    too)."""
+    return (
+        q.dtype in (torch.bfloat16, torch.float16)
+        and HG % BH == 0
+        and DA in (128, 256, 512)
+        and 3 * BK * (DA + DB) * 2 + BH * BK * 2 <= SMEM
+    )
+
+
+@gluon.jit
+def _index(IDX, base, k0, cnt, BK: gl.constexpr, layout: gl.constexpr):
+    """Block k0 of a query's selected keys: which are real, and their positions."""
+    kk = k0 + gl.arange(0, BK, layout=gl.SliceLayout(1, layout))
+    ok = kk < cnt
+    return ok, gl.load(IDX + base + kk, mask=ok, other=0)
+
+
+@gluon.jit
+def _gather(X, rows, ok, ca, cb, D: gl.constexpr, xa, xb):
+    """Rows of X [*, D] into shared memory, dims ca into xa and cb into xb (zeros where not ok
+    or past D): asynchronous copies, not yet committed."""
+    cp.async_copy_global_to_shared(xa, X + rows[:, None] * D + ca[None, :], mask=ok[:, None])
+    cp.async_copy_global_to_shared(xb, X + rows[:, None] * D + cb[None, :], mask=ok[:, None] & (cb[None, :] < D))
+
+
+@gluon.jit
+def _fwd(
+    Q,
+    Kk,
+    IDX,
+    CNT,
+    O,
+    LSE,
+    T,
+    NK,
+    scale2,
+    H: gl.constexpr,
+    G: gl.constexpr,
+    D: gl.constexpr,
+    DA: gl.constexpr,
+    DB: gl.constexpr,
+    BH: gl.constexpr,
+    BK: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    t, bg, hb = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    b, g = bg // G, bg % G
+    HG: gl.constexpr = H // G
+    dt: gl.constexpr = Q.dtype.element_ty
+    # copies: 8 elements (16 bytes) a thread, a row's 64 dims over 8 threads
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    # the two warp groups split the scores' keys and the output's value dims
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BK // 2, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DA // 2, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DA], dt)
+    b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DB], dt)
+    qa_s = gl.allocate_shared_memory(dt, [BH, DA], a_sl)
+    qb_s = gl.allocate_shared_memory(dt, [BH, DB], b_sl)
+    ka_s = gl.allocate_shared_memory(dt, [2, BK, DA], a_sl)
+    kb_s = gl.allocate_shared_memory(dt, [2, BK, DB], b_sl)
+
+    ca = gl.arange(0, DA, layout=gl.SliceLayout(0, rows_l))
+    cb = DA + gl.arange(0, DB, layout=gl.SliceLayout(0, rows_l))
+    heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, rows_l))
+    _gather(Q, (b * T + t).to(gl.int64) * H + g * HG + heads, heads < HG, ca, cb, D, qa_s, qb_s)
+    cnt = gl.load(CNT + b * T + t)
+    base = (b * T + t).to(gl.int64) * NK
+    first = (b * T).to(gl.int64)  # a selected key's row: (first + index) * G + g
+    ok, i = _index(IDX, base, 0, cnt, BK, rows_l)
+    _gather(Kk, (first + i) * G + g, ok, ca, cb, D, ka_s.index(0), kb_s.index(0))
+    cp.commit_group()
+    ok, i = _index(IDX, base, BK, cnt, BK, rows_l)
+
+    m = gl.full([BH], float("-inf"), gl.float32, gl.SliceLayout(1, s_l))
+    l = gl.zeros([BH], gl.float32, gl.SliceLayout(1, s_l))
+    acc = warpgroup_mma_init(gl.zeros([BH, DA], gl.float32, o_l))  # a product in flight, as the loop leaves it
+    keys = gl.arange(0, BK, layout=gl.SliceLayout(0, s_l))
+    for k0 in range(0, cnt, BK):
+        buf = (k0 // BK) % 2
+        # the block before's P V done (a product in flight while the next is issued would make
+        # ptxas serialise every wgmma, C7514) and this block's rows copied, by every thread:
+        # the other buffer is free for the next block
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        cp.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        _gather(Kk, (first + i) * G + g, ok, ca, cb, D, ka_s.index(1 - buf), kb_s.index(1 - buf))
+        cp.commit_group()
+        ok, i = _index(IDX, base, k0 + 2 * BK, cnt, BK, rows_l)
+        ka, kb = ka_s.index(buf), kb_s.index(buf)
+        s = warpgroup_mma(qa_s, ka.permute((1, 0)), gl.zeros([BH, BK], gl.float32, s_l), use_acc=False, is_async=True)
+        s = warpgroup_mma(qb_s, kb.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = gl.where((k0 + keys < cnt)[None, :], s * scale2, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, 1))
+        alpha = gl.exp2(m - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l = l * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_l), ka, acc, is_async=True)
+        m = m_new
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    cp.wait_group(0)  # the last (empty) block's copies
+
+    l_safe = gl.where(l > 0, l, 1.0)
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))[:, None]
+    heads_o = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_l))
+    e = gl.arange(0, DA, layout=gl.SliceLayout(0, o_l))
+    orow = (b * T + t).to(gl.int64) * H + g * HG + heads_o
+    gl.store(O + orow[:, None] * DA + e[None, :], out.to(dt), mask=(heads_o < HG)[:, None])
+    heads_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+    srow = (b * T + t).to(gl.int64) * H + g * HG + heads_s
+    gl.store(LSE + srow, m + gl.log2(l_safe), mask=heads_s < HG)
+
+
+@gluon.jit
+def _walk(
+    Q,
+    Kk,
+    IDX,
+    CNT,
+    DO,
+    LSE,
+    DELTA,
+    PT,
+    DST,
+    P,
+    T,
+    NK,
+    scale2,
+    t0,
+    NC,
+    TS,
+    TC,
+    H: gl.constexpr,
+    G: gl.constexpr,
+    D: gl.constexpr,
+    DA: gl.constexpr,
+    DB: gl.constexpr,
+    HP: gl.constexpr,
+    ORDERED: gl.constexpr,
+    WEIGHTS: gl.constexpr,
+    BH: gl.constexpr,
+    BK: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """``triton._attn_bwd`` with ``SHARED`` (the values the keys' first DA dims): a key block's
+    p and ds written key-major into PT and DST, and with ``WEIGHTS`` the target's shares into P,
+    as there. One warp group; the next block's rows gathered during this block's products."""
+    i, bg, hb = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+    t = t0 + i
+    b, g = bg // G, bg % G
+    HG: gl.constexpr = H // G
+    NHB: gl.constexpr = HG // BH
+    dt: gl.constexpr = Q.dtype.element_ty
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BK, 16]
+    )
+    out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, num_warps], [0, 1])  # heads contiguous
+    a_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DA], dt)
+    b_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BK, DB], dt)
+    qa_s = gl.allocate_shared_memory(dt, [BH, DA], a_sl)
+    qb_s = gl.allocate_shared_memory(dt, [BH, DB], b_sl)
+    do_s = gl.allocate_shared_memory(dt, [BH, DA], a_sl)
+    ka_s = gl.allocate_shared_memory(dt, [2, BK, DA], a_sl)
+    kb_s = gl.allocate_shared_memory(dt, [2, BK, DB], b_sl)
+
+    ca = gl.arange(0, DA, layout=gl.SliceLayout(0, rows_l))
+    cb = DA + gl.arange(0, DB, layout=gl.SliceLayout(0, rows_l))
+    heads = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, rows_l))
+    qrow = (b * T + t).to(gl.int64) * H + g * HG + heads
+    _gather(Q, qrow, heads < HG, ca, cb, D, qa_s, qb_s)
+    cp.async_copy_global_to_shared(do_s, DO + qrow[:, None] * DA + ca[None, :])
+    heads_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, s_l))
+    srow = (b * T + t).to(gl.int64) * H + g * HG + heads_s
+    lse = gl.load(LSE + srow)
+    delta = gl.load(DELTA + srow)
+    cnt = gl.load(CNT + b * T + t)
+    base = (b * T + t).to(gl.int64) * NK
+    first = (b * T).to(gl.int64)
+    ok, i = _index(IDX, base, 0, cnt, BK, rows_l)
+    _gather(Kk, (first + i) * G + g, ok, ca, cb, D, ka_s.index(0), kb_s.index(0))
+    cp.commit_group()
+    ok, i = _index(IDX, base, BK, cnt, BK, rows_l)
+
+    keys = gl.arange(0, BK, layout=gl.SliceLayout(0, s_l))
+    keys_o = gl.arange(0, BK, layout=gl.SliceLayout(0, out_l))
+    cols = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, out_l))
+    walked = ((b * NC + (t - t0)) * G + g).to(gl.int64) * NK
+    zero = gl.zeros([BH, BK], gl.float32, s_l)
+    for k0 in range(0, cnt, BK):
+        buf = (k0 // BK) % 2
+        cp.wait_group(0)  # this block's rows (first, the query's and do's too), by every thread
+        fence_async_shared()
+        gl.thread_barrier()
+        _gather(Kk, (first + i) * G + g, ok, ca, cb, D, ka_s.index(1 - buf), kb_s.index(1 - buf))
+        cp.commit_group()
+        ok, i = _index(IDX, base, k0 + 2 * BK, cnt, BK, rows_l)
+        ka = ka_s.index(buf).permute((1, 0))
+        s = warpgroup_mma(qa_s, ka, zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qb_s, kb_s.index(buf).permute((1, 0)), s, is_async=True)
+        dp = warpgroup_mma(do_s, ka, zero, use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        real = (k0 + keys < cnt)[None, :]
+        p = gl.where(real, gl.exp2(s * scale2 - lse[:, None]), 0.0)
+        ds = p * (dp - delta[:, None])
+        kk = k0 + keys_o
+        at = (walked + kk)[None, :] * HP + cols[:, None]
+        stored = (kk < cnt)[None, :]
+        gl.store(DST + at, gl.convert_layout(ds.to(dt), out_l), mask=stored)
+        gl.store(PT + at, gl.convert_layout(p.to(dt), out_l), mask=stored)
+        if WEIGHTS:
+            share = gl.sum(p, 0) / H
+            kw = k0 + keys
+            if ORDERED:
+                slot = (((b * TC + t - TS) * G + g) * NHB + hb).to(gl.int64) * NK + kw
+                gl.store(P + slot, share, mask=kw < cnt)
+            elif NHB * G == 1:  # the only share
+                gl.store(P + (b * T + t).to(gl.int64) * NK + kw, share, mask=kw < cnt)
+            else:
+                gl.atomic_add(P + (b * T + t).to(gl.int64) * NK + kw, share, mask=kw < cnt, sem="relaxed")
+    cp.wait_group(0)  # the last (empty) block's copies
+
+
+def forward(q, k, idx, cnt, o, lse, scale2: float, meta: dict) -> None:
+    """``triton._attn_fwd`` with ``SHARED`` (o [B, T, H, DA] and lse [B, T, H] written)."""
+    B, T, NK = idx.shape
+    H, G = meta["H"], meta["G"]
+    _fwd[(T, B * G, H // G // BH)](
+        q, k, idx, cnt, o, lse, T, NK, scale2,
+        H=H, G=G, D=meta["D"], DA=meta["DA"], DB=meta["DB"], BH=BH, BK=BK, num_warps=WARPS,
+    )  # fmt: skip
+
+
+def walk(q, k, idx, cnt, do, lse, delta, pt, dst, p, scale2: float, chunk, n: int, meta: dict) -> None:
+    """``triton._attn_bwd`` with ``SHARED`` for the chunk's n queries (``chunk``: t0, NC, TS, TC)."""
+    B, T, NK = idx.shape
+    H, G = meta["H"], meta["G"]
+    _walk[(n, B * G, H // G // BH)](
+        q, k, idx, cnt, do, lse, delta, pt, dst, p, T, NK, scale2, *chunk,
+        H=H, G=G, D=meta["D"], DA=meta["DA"], DB=meta["DB"], HP=meta["HP"], ORDERED=meta["ORDERED"],
+        WEIGHTS=meta["WEIGHTS"], BH=BH, BK=WALK_BK, num_warps=WALK_WARPS,
+    )  # fmt: skip
