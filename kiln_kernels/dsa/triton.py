@@ -12,8 +12,9 @@ the indexer's top-k and without gathered copies of the keys.
 - ``sparse_attention``: flash attention over each query's index list. Forward: a program per
   (query, key head, block of its query heads), online softmax over blocks of gathered keys; where
   the values are a view of the keys' first dims (MLA's absorbed latent, ``shared_values``), they
-  come from the key tile already loaded. On Hopper that case (16-bit, blocks of 64 heads) runs
-  in Gluon instead (``hopper.py``: the next block's gather overlaps this block's products).
+  come from the key tile already loaded. On Hopper that case (MLA's 576 = 512 + 64 dims,
+  16-bit, blocks of 64 heads) runs in Gluon instead, the forward and the backward's walk
+  (``hopper.py``: the next block's gather overlaps this block's products).
   Backward in two kernels (after each output row's do . o, ``_row_dots``), a chunk of queries
   at a time (``WALK_BYTES``). The walk, a program per
   (query, key head, block of 64 query heads: wgmma), recomputes a key block's probabilities p and
@@ -686,10 +687,13 @@ def _bh(cfg: dict, HG: int, x: torch.Tensor) -> dict:
     return cfg
 
 
-def _hopper(q: torch.Tensor, meta: dict):
-    """The Gluon kernels' module (``hopper.py``) where they take the inputs: a Hopper GPU,
-    16-bit inputs, whole blocks of 64 heads, the model's dims; else None (Triton's run)."""
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device)[0] != 9:
+def _hopper(meta: dict, q: torch.Tensor, *more: torch.Tensor):
+    """The Gluon kernels' module (``hopper.py``) where they take these inputs (``hopper.fits``)
+    on an NVIDIA Hopper GPU, every tensor's rows 16-byte aligned for its copies; else None (the
+    Triton kernels run)."""
+    if not q.is_cuda or torch.version.hip is not None or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return None
+    if any(x.data_ptr() % 16 for x in (q, *more)):
         return None
     from kiln_kernels.dsa import hopper  # Gluon: NVIDIA's Triton only
 
@@ -712,7 +716,7 @@ class _SparseAttention(torch.autograd.Function):
         NK = idx.shape[-1]
         cnt = _counts(idx)
         scale2 = scale * math.log2(math.e)
-        fast = _hopper(q, meta) if shared else None  # the forward in Gluon
+        fast = _hopper(meta, q, k) if shared else None  # the forward in Gluon
 
         def run():
             o = torch.empty(B, T, H, E, dtype=q.dtype, device=q.device)
@@ -759,10 +763,12 @@ class _SparseAttention(torch.autograd.Function):
         p = torch.zeros(B, T, NK, dtype=torch.float32, device=q.device) if target else None
         scale, scale2 = ctx.scale, ctx.scale * math.log2(math.e)
         cfg = _bh(CONFIG["bwd shared" if shared else "bwd"], H // G, q)
+        fast = _hopper(meta, q, k, do) if shared else None  # the walk in Gluon, its head blocks its own
+        if fast is not None:
+            cfg["BH"] = fast.BH
         blocks = triton.cdiv(H // G, cfg["BH"])
         HP = _pow2(blocks * cfg["BH"])  # the walk's columns: every head of a key head
         nc = max(1, min(T, WALK_BYTES // (2 * B * G * NK * HP * q.element_size())))
-        fast = _hopper(q, meta) if shared else None  # the walk in Gluon
         walk = [torch.empty(B, nc, G, NK, HP, dtype=q.dtype, device=q.device) for _ in range(2)]
 
         def bwd(t0, tc, targets, ordered):

@@ -35,6 +35,7 @@ ATTN = [
     pytest.param(2, 700, 8, 8, 192, 128, 256, True, marks=gpu_only),
     pytest.param(1, 300, 128, 1, 576, 512, 2048, False, marks=gpu_only),
     pytest.param(2, 333, 128, 2, 576, 512, 200, True, marks=gpu_only),  # bf16, shared: Hopper's Gluon kernels
+    pytest.param(1, 700, 64, 1, 576, 512, 256, True, marks=gpu_only),  # ... with the model's one head block
 ]
 
 

@@ -52,7 +52,7 @@ def test_triton_kernels_in_the_interpreter():
         timeout=900,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "\n100 passed, 129 skipped" in run.stdout, run.stdout[-2000:]  # the small shapes ran, the GPU-only ones not
+    assert "\n100 passed, 131 skipped" in run.stdout, run.stdout[-2000:]  # the small shapes ran, the GPU-only ones not
 
 
 @pytest.mark.timeout(300)
