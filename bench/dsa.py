@@ -126,8 +126,8 @@ def tune(a) -> None:
     for name, cands in CANDIDATES.items():
         if a.tune and name not in a.tune:
             continue
-        if name == "fwd shared" and torch.cuda.get_device_capability()[0] == 9:
-            print("fwd shared: on Hopper the Gluon forward runs (kiln_kernels/dsa/hopper.py), not these", flush=True)
+        if name == "fwd shared" and fused._hopper(fused._attn_meta(q, kv, kv[..., :E])[0], q, kv):
+            print("fwd shared: the Gluon forward runs here (kiln_kernels/dsa/hopper.py), not these", flush=True)
             continue
 
         def timing(op=ops[name]) -> tuple[str, float]:

@@ -783,20 +783,9 @@ class _SparseAttention(torch.autograd.Function):
                     )  # fmt: skip
                 else:
                     fast.walk(
-                        q,
-                        k,
-                        idx,
-                        cnt,
-                        do,
-                        lse,
-                        delta,
-                        *walk,
-                        shares,
-                        scale2,
-                        chunk,
-                        n,
+                        q, k, idx, cnt, do, lse, delta, *walk, shares, scale2, chunk, n,
                         meta | dict(HP=HP, ORDERED=ordered),
-                    )
+                    )  # fmt: skip
                 _grads_from_walk(walk, q, k, do, dq, idx, cnt, targets, scale, shared, chunk, n, HP, ordered)
             if shares is not p:  # the heads' shares of the target summed in a fixed order
                 p[:, t0 : t0 + tc] = shares.sum((2, 3))
