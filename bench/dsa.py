@@ -126,7 +126,7 @@ def tune(a) -> None:
     for name, cands in CANDIDATES.items():
         if a.tune and name not in a.tune:
             continue
-        if name == "fwd shared" and fused._hopper(fused._attn_meta(q, kv, kv[..., :E])[0], q, kv):
+        if name == "fwd shared" and fused._hopper_forward(fused._attn_meta(q, kv, kv[..., :E])[0], q, kv):
             print("fwd shared: the Gluon forward runs here (kiln_kernels/dsa/hopper.py), not these", flush=True)
             continue
 

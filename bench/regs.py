@@ -104,7 +104,7 @@ KEYS |= dict(C0="i32", C1="i32")
 KERNELS |= {
     "dsa fwd": (dsa._attn_fwd, FWD, MLA | dict(SHARED=False)),
     "dsa fwd shared": (dsa._attn_fwd, FWD, MLA | dict(SHARED=True)),  # the model's
-    # the model's on Hopper (Gluon): one block of 64 heads, 64 keys a block, 8 warps
+    # the model's on Hopper (Gluon): one block of 64 heads, 64 keys a block, two warp groups split by dims
     "dsa fwd hopper": (
         hopper._fwd,
         dict(Q=BF, Kk=BF, IDX=I32, CNT=I32, O=BF, LSE=F32, T="i32", NK="i32", scale2="fp32"),

@@ -13,8 +13,9 @@ the indexer's top-k and without gathered copies of the keys.
   (query, key head, block of its query heads), online softmax over blocks of gathered keys; where
   the values are a view of the keys' first dims (MLA's absorbed latent, ``shared_values``), they
   come from the key tile already loaded. On Hopper that case (MLA's 576 = 512 + 64 dims,
-  16-bit, blocks of 64 heads) runs in Gluon instead, the forward and the backward's walk
-  (``hopper.py``: the next block's gather overlaps this block's products).
+  16-bit, blocks of 64 heads) runs in Gluon instead, the backward's walk and, at the model's one
+  block of 64 heads on one key head, the forward (``hopper.py``: the next block's gather overlaps
+  this block's products; the forward's two warp groups split by dims).
   Backward in two kernels (after each output row's do . o, ``_row_dots``), a chunk of queries
   at a time (``WALK_BYTES``). The walk, a program per
   (query, key head, block of 64 query heads: wgmma), recomputes a key block's probabilities p and
@@ -697,7 +698,14 @@ def _hopper(meta: dict, q: torch.Tensor, *more: torch.Tensor):
         return None
     from kiln_kernels.dsa import hopper  # Gluon: NVIDIA's Triton only
 
-    return hopper if hopper.fits(q, meta["H"] // meta["G"], meta["DA"], meta["DB"]) else None
+    return hopper if hopper.fits(q, more[0], meta["H"] // meta["G"], meta["DA"], meta["DB"]) else None
+
+
+def _hopper_forward(meta: dict, q: torch.Tensor, k: torch.Tensor):
+    """``_hopper`` for the forward: its Gluon kernel only where it was checked on a GPU
+    (``hopper.forward_checked``), else None (the Triton forward runs)."""
+    fast = _hopper(meta, q, k)
+    return fast if fast is not None and fast.forward_checked(meta["H"], meta["G"]) else None
 
 
 class _SparseAttention(torch.autograd.Function):
@@ -716,7 +724,7 @@ class _SparseAttention(torch.autograd.Function):
         NK = idx.shape[-1]
         cnt = _counts(idx)
         scale2 = scale * math.log2(math.e)
-        fast = _hopper(meta, q, k) if shared else None  # the forward in Gluon
+        fast = _hopper_forward(meta, q, k) if shared else None  # the forward in Gluon
 
         def run():
             o = torch.empty(B, T, H, E, dtype=q.dtype, device=q.device)

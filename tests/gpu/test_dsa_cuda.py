@@ -238,7 +238,8 @@ def test_hopper_forward_matches_the_reference(B, T, H, G, topk, packed):
     """The Gluon forward (Hopper; the model's shape: the values the keys' first 512 of 576 dims,
     blocks of 64 heads): its output and its heads' log-sum-exps (base 2, which the backward
     reads) against the float64 reference's, with two head blocks, two key heads, packed
-    documents, and counts that end inside a block of keys. The attention takes this path."""
+    documents, and counts that end inside a block of keys. The attention takes this path at the
+    model's one block of 64 heads on one key head (``hopper.forward_checked``)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward is Hopper's")
     import math
@@ -250,7 +251,7 @@ def test_hopper_forward_matches_the_reference(B, T, H, G, topk, packed):
     g = torch.Generator(device=DEVICE).manual_seed(T + H)
     q = torch.randn(B, T, H, 576, device=DEVICE, generator=g).to(torch.bfloat16)
     kv = torch.randn(B, T, G, 576, device=DEVICE, generator=g).to(torch.bfloat16)
-    assert hopper.fits(q, H // G, 512, 64)
+    assert hopper.fits(q, kv, H // G, 512, 64)
     o = torch.empty(B, T, H, 512, dtype=q.dtype, device=DEVICE)
     lse = torch.empty(B, T, H, device=DEVICE)
     scale = 576**-0.5
