@@ -55,10 +55,11 @@ def fits(q: torch.Tensor, k: torch.Tensor, HG: int, DA: int, DB: int) -> bool:
 
 def forward_checked(H: int, G: int) -> bool:
     """Where ``forward`` runs (``triton._hopper_forward``): the model's one block of 64 heads on
-    one key head, the shape its outputs were checked at on an H100 (every output within one bf16
-    unit of the earlier forward's, lse within 7e-6, 16k tokens, 2026-12-08). Its reference tests
-    (``tests/gpu/test_dsa_cuda.py``: two head blocks, two key heads, packed documents) have not
-    run on a GPU yet; elsewhere the Triton forward runs."""
+    one key head, the shape it was checked at on an H100 (2026-12-08: 16k tokens of one sequence,
+    its outputs within 2**-7 and its lse within 7e-6 of the earlier forward's, written into the
+    same buffers; its stores are unmasked and cover every output). Its reference tests
+    (``tests/gpu/test_dsa_cuda.py``: two head blocks, two key heads, packed documents, batches of
+    two) have not run on a GPU yet; elsewhere the Triton forward runs."""
     return H == BH and G == 1
 
 
@@ -160,6 +161,10 @@ def _half(
     phase = 0
     for k0 in range(0, cnt, BK):
         buf = (k0 // BK) % 2
+        # the block before's P V done (a product in flight while the next is issued would make
+        # ptxas serialise every wgmma, C7514) and this block's rows copied, by every thread of
+        # the group: the other buffer is free for the next block, and every thread has read
+        # the block before's slot (group 0 writes it again below)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)
         fence_async_shared()
@@ -174,7 +179,9 @@ def _half(
         cp.commit_group()
         ok, rows = _rows(IDX, base, k0 + 2 * BK, cnt, first, G, g, D, BK, rows_l)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-        # the scores: group 0's partial + group 1's, the same sum in both groups
+        # the scores: group 0's partial + group 1's, the same sum in both groups. An arrive is
+        # one thread's; Gluon puts the group's barrier before it (the slot's stores, every
+        # thread's, are done before the other group is let read them: bar.sync in the PTX)
         if ME == 0:
             xs.store(part)
             mbarrier.arrive(bars.index(0), count=1)
@@ -253,7 +260,7 @@ def _fwd(
             (_half, (Q, Kk, IDX, CNT, O, LSE, q0, k0, kr, xs, bars, T, NK, scale2, H, G, D, DA, BH, BK, 0)),
         ],
         [4],
-        [232],
+        [232],  # group 0's registers (no spills, bench.regs); group 1 gets the rest, 256
     )
 
 

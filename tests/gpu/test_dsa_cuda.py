@@ -34,8 +34,8 @@ ATTN = [
     pytest.param(1, 1500, 16, 1, 576, 512, 512, False, marks=gpu_only),
     pytest.param(2, 700, 8, 8, 192, 128, 256, True, marks=gpu_only),
     pytest.param(1, 300, 128, 1, 576, 512, 2048, False, marks=gpu_only),
-    pytest.param(2, 333, 128, 2, 576, 512, 200, True, marks=gpu_only),  # bf16, shared: Hopper's Gluon kernels
-    pytest.param(1, 700, 64, 1, 576, 512, 256, True, marks=gpu_only),  # ... with the model's one head block
+    pytest.param(2, 333, 128, 2, 576, 512, 200, True, marks=gpu_only),  # bf16, shared: Hopper's Gluon walk
+    pytest.param(1, 700, 64, 1, 576, 512, 256, True, marks=gpu_only),  # ... and forward: the model's one head block
 ]
 
 
@@ -260,7 +260,8 @@ def test_hopper_forward_matches_the_reference(B, T, H, G, topk, packed):
     q64, kv64 = q.double(), kv.double()
     assert rel(o, R.sparse_attention(q64, kv64, kv64[..., :512], idx, scale)) < TOL[torch.bfloat16]
     assert rel(lse, torch.logsumexp(R._head_scores(q64, kv64, idx, scale), -1) / math.log(2)) < 1e-3
-    assert (K.sparse_attention(q, kv, kv[..., :512], idx, scale) == o).all()  # the attention's forward is this one
+    if hopper.forward_checked(H, G):  # the attention's forward is this one
+        assert (K.sparse_attention(q, kv, kv[..., :512], idx, scale) == o).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
