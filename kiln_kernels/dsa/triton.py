@@ -829,36 +829,26 @@ def sparse_attention(
 
 
 @triton.jit
-def _index_dots(
-    Q,
-    Kx,
-    W,
-    b,
-    t,
-    T,
-    idx,
-    ok,
-    scale,
-    J: tl.constexpr,
-    DH: tl.constexpr,
-    DH_PAD: tl.constexpr,
-    J_PAD: tl.constexpr,
-    PREC: tl.constexpr,
-):
+def _index_query(Q, W, b, t, T, J: tl.constexpr, DH: tl.constexpr, DH_PAD: tl.constexpr, J_PAD: tl.constexpr):
+    """A query's index heads [J_PAD, DH_PAD] and their weights (fp32), loaded once for its loop."""
     j = tl.arange(0, J_PAD)
     d = tl.arange(0, DH_PAD)
-    q = tl.load(
-        Q + ((b * T + t).to(tl.int64) * J + j[:, None]) * DH + d[None, :],
-        mask=(j[:, None] < J) & (d[None, :] < DH),
-        other=0.0,
-    )
+    row = (b * T + t).to(tl.int64) * J + j
+    q = tl.load(Q + row[:, None] * DH + d[None, :], mask=(j[:, None] < J) & (d[None, :] < DH), other=0.0)
+    return q, tl.load(W + row, mask=j < J, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _index_dots(q, w, Kx, b, T, idx, ok, scale, DH: tl.constexpr, DH_PAD: tl.constexpr, PREC: tl.constexpr):
+    """The selected keys' rows [BK, DH_PAD], the heads' dots with them [J_PAD, BK] and the index
+    scores (-inf where not ok)."""
+    d = tl.arange(0, DH_PAD)
     k = tl.load(
         Kx + (b * T + idx[:, None]).to(tl.int64) * DH + d[None, :], mask=ok[:, None] & (d[None, :] < DH), other=0.0
     )
-    w = tl.load(W + (b * T + t).to(tl.int64) * J + j, mask=j < J, other=0.0).to(tl.float32)
     dots = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [J_PAD, BK]
     scores = tl.sum(w[:, None] * tl.maximum(dots, 0.0), 0)
-    return q, k, w, dots, tl.where(ok, scores, float("-inf"))
+    return k, dots, tl.where(ok, scores, float("-inf"))
 
 
 @triton.jit
@@ -889,11 +879,12 @@ def _kl_fwd(
     p_s = tl.zeros([BK], tl.float32)
     p_logp = tl.zeros([BK], tl.float32)
     p_sum = tl.zeros([BK], tl.float32)
+    q, w = _index_query(Q, W, b, t, T, J, DH, DH_PAD, J_PAD)
     for k0 in range(0, cnt, BK):
         kk = k0 + tl.arange(0, BK)
         ok = kk < cnt
         idx = tl.load(IDX + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0)
-        _q, _k, _w, _d, s = _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J, DH, DH_PAD, J_PAD, PREC)
+        _k, _d, s = _index_dots(q, w, Kx, b, T, idx, ok, scale, DH, DH_PAD, PREC)
         p = tl.load(P + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0.0)
         m_new = tl.maximum(m, s)
         l = l * tl.exp(tl.where(m_new == float("-inf"), 0.0, m - m_new)) + tl.where(ok, tl.exp(s - m_new), 0.0)
@@ -950,11 +941,12 @@ def _kl_bwd(
     d = tl.arange(0, DH_PAD)
     dq = tl.zeros([J_PAD, DH_PAD], tl.float32)
     dw = tl.zeros([J_PAD], tl.float32)
+    q, w = _index_query(Q, W, b, t, T, J, DH, DH_PAD, J_PAD)
     for k0 in range(0, cnt, BK):
         kk = k0 + tl.arange(0, BK)
         ok = kk < cnt
         idx = tl.load(IDX + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0)
-        q, k, w, dots, s = _index_dots(Q, Kx, W, b, t, T, idx, ok, scale, J, DH, DH_PAD, J_PAD, PREC)
+        k, dots, s = _index_dots(q, w, Kx, b, T, idx, ok, scale, DH, DH_PAD, PREC)
         p = tl.load(P + (b * T + t).to(tl.int64) * NK + kk, mask=ok, other=0.0)
         p = tl.where(p > 0, p, 0.0)
         ds = tl.where(ok, grad * (total * tl.exp(s - lse) - p), 0.0)  # d loss / d score
