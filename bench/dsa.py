@@ -15,8 +15,10 @@ DSA layer (``dsa_ms``: top-k, forward, training backward) against dense causal S
 backward in MLA's plain form (H heads of qk 192, v 128) at the same T, ``dense_ms``. Median of
 3 timed calls after 1 (a backward: its forward untimed before each call). The gather
 path of earlier sessions (PyTorch's small ops) is in bench/RESULTS.md's history, not timed here.
-``--previous FILE`` (an earlier copy of kiln_kernels/dsa/triton.py, e.g. ``git show
-REV:kiln_kernels/dsa/triton.py > /tmp/prev.py``): its top-k, attention forward and backward timed
+``--previous PATH`` (an earlier copy of kiln_kernels/dsa/triton.py, e.g. ``git show
+REV:kiln_kernels/dsa/triton.py > .dev/prev.py``, or of the whole folder with its Gluon kernels,
+``mkdir -p .dev/prev && git archive REV kiln_kernels/dsa | tar -x -C .dev/prev``, then
+``--previous .dev/prev/kiln_kernels/dsa``): its top-k, attention forward and backward timed
 in the same run at each T, ``prev_topk_ms`` / ``prev_fwd_ms`` (its training forward: before
 2026-12-07 the kernels took ``with_weights`` and walked the keys twice for the target) /
 ``prev_bwd_ms``; the share of its
@@ -32,6 +34,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import inspect
 import json
@@ -169,10 +174,44 @@ def backward_ms(forward, grads: list[torch.Tensor], reps: int = 3) -> float:
     return statistics.median(times)
 
 
+class _Renamed(importlib.machinery.SourceFileLoader):
+    """A module of a previous copy of kiln_kernels/dsa, its imports of that package pointed at
+    the copy (``previous_dsa``): the copy's triton.py runs the copy's own Gluon kernels. Compiled
+    from its source every time: neither read from nor written to a bytecode cache, where the
+    copy's or the package's own (unrenamed) code may be."""
+
+    def get_code(self, fullname):
+        source = self.get_data(self.path).replace(b"kiln_kernels.dsa", b"previous_dsa")
+        return compile(source, self.path, "exec", dont_inherit=True)
+
+
+class _Previous(importlib.abc.MetaPathFinder):
+    """Finds ``previous_dsa`` and its modules in the copy's folder."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "previous_dsa" and not name.startswith("previous_dsa."):
+            return None
+        package = name == "previous_dsa"
+        file = self.folder / ("__init__.py" if package else name.split(".", 1)[1] + ".py")
+        inside = [str(self.folder)] if package else None
+        return importlib.util.spec_from_file_location(
+            name, file, loader=_Renamed(name, str(file)), submodule_search_locations=inside
+        )
+
+
 def load_previous(path: Path | None):
-    """An earlier copy of the DSA kernels' module, imported from its file (None: none)."""
+    """An earlier copy of the DSA kernels, imported once (None: none): a copy of
+    kiln_kernels/dsa/triton.py alone (its Gluon kernels, if it takes any, today's), or of the
+    whole kiln_kernels/dsa folder (``git archive REV kiln_kernels/dsa | tar -x -C DIR``, then
+    DIR/kiln_kernels/dsa), imported as the package ``previous_dsa`` with its own hopper.py."""
     if path is None:
         return None
+    if path.is_dir():
+        sys.meta_path.insert(0, _Previous(path.resolve()))
+        return importlib.import_module("previous_dsa.triton")
     spec = importlib.util.spec_from_file_location("previous_dsa_triton", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -285,7 +324,10 @@ def main() -> None:
         "--tune", nargs="*", metavar="KERNEL", help="time other settings of each kernel (or of those named) instead"
     )
     ap.add_argument(
-        "--previous", type=Path, default=None, help="an earlier copy of kiln_kernels/dsa/triton.py, timed too"
+        "--previous",
+        type=Path,
+        default=None,
+        help="an earlier copy of kiln_kernels/dsa/triton.py or of its folder, timed too",
     )
     a = ap.parse_args()
     if a.tune is not None:
