@@ -186,31 +186,40 @@ class _Renamed(importlib.machinery.SourceFileLoader):
 
 
 class _Previous(importlib.abc.MetaPathFinder):
-    """Finds ``previous_dsa`` and its modules in the copy's folder."""
+    """Finds ``previous_dsa``'s modules in the copy's folder (the package itself is an empty
+    one, made by ``load_previous``)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
 
     def find_spec(self, name, path=None, target=None):
-        if name != "previous_dsa" and not name.startswith("previous_dsa."):
+        file = self.folder / (name.removeprefix("previous_dsa.") + ".py")
+        if not name.startswith("previous_dsa.") or not file.is_file():
             return None
-        package = name == "previous_dsa"
-        file = self.folder / ("__init__.py" if package else name.split(".", 1)[1] + ".py")
-        inside = [str(self.folder)] if package else None
-        return importlib.util.spec_from_file_location(
-            name, file, loader=_Renamed(name, str(file)), submodule_search_locations=inside
-        )
+        return importlib.util.spec_from_file_location(name, file, loader=_Renamed(name, str(file)))
 
 
 def load_previous(path: Path | None):
-    """An earlier copy of the DSA kernels, imported once (None: none): a copy of
-    kiln_kernels/dsa/triton.py alone (its Gluon kernels, if it takes any, today's), or of the
-    whole kiln_kernels/dsa folder (``git archive REV kiln_kernels/dsa | tar -x -C DIR``, then
-    DIR/kiln_kernels/dsa), imported as the package ``previous_dsa`` with its own hopper.py."""
+    """An earlier copy of the DSA kernels (None: none): a copy of kiln_kernels/dsa/triton.py
+    alone, run anew on each call (its Gluon kernels, if it takes any, today's), or of the whole
+    kiln_kernels/dsa folder (``git archive REV kiln_kernels/dsa | tar -x -C DIR``, then
+    DIR/kiln_kernels/dsa), whose triton.py is imported once a process as ``previous_dsa.triton``
+    with the copy's own hopper.py and reference.py (one folder a process)."""
     if path is None:
         return None
     if path.is_dir():
-        sys.meta_path.insert(0, _Previous(path.resolve()))
+        folder = path.resolve()
+        if not (folder / "triton.py").is_file():
+            raise ValueError(f"{path} holds no triton.py: give the copy's kiln_kernels/dsa folder")
+        finders = [f for f in sys.meta_path if isinstance(f, _Previous)]
+        if finders and finders[0].folder != folder:
+            raise ValueError(f"one previous copy a process: {finders[0].folder} is loaded, not {folder}")
+        if not finders:  # the package empty: the copy's __init__.py would register the kernels'
+            # torch ops again over today's, and its functions dispatch to today's modules anyway
+            package = importlib.machinery.ModuleSpec("previous_dsa", None, is_package=True)
+            package.submodule_search_locations = [str(folder)]
+            sys.modules["previous_dsa"] = importlib.util.module_from_spec(package)
+            sys.meta_path.insert(0, _Previous(folder))
         return importlib.import_module("previous_dsa.triton")
     spec = importlib.util.spec_from_file_location("previous_dsa_triton", path)
     assert spec is not None and spec.loader is not None

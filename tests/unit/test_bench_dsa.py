@@ -25,20 +25,26 @@ from bench.dsa import load_previous
 from kiln_kernels.dsa import triton as today
 
 prev = load_previous(Path(sys.argv[1]))
-assert prev.__name__ == "previous_dsa.triton" and prev.__file__.startswith(sys.argv[1]), prev.__file__
-assert "previous_dsa" in prev._hopper.__code__.co_names, prev._hopper.__code__.co_names
-assert "kiln_kernels" not in prev._hopper.__code__.co_names
+assert prev.__file__ == str(Path(sys.argv[1]).resolve() / "triton.py"), prev.__file__
+names = prev._hopper.__code__.co_names  # the modules its dispatch imports: the copy's
+assert "previous_dsa" in names and not any(n.startswith("kiln_kernels") for n in names), names
 import previous_dsa.hopper as hopper
 
-assert hopper.COPY and not hasattr(sys.modules["kiln_kernels.dsa.triton"], "COPY")
-assert prev._attn_fwd is not today._attn_fwd
+assert hopper.COPY and "kiln_kernels.dsa.hopper" not in sys.modules
+assert load_previous(Path(sys.argv[1])) is prev  # once a process
+try:
+    load_previous(Path(sys.argv[2]))
+except ValueError as e:
+    assert "one previous copy a process" in str(e), e
+else:
+    raise AssertionError("a second folder loaded")
 g = torch.Generator().manual_seed(0)
 q, k, w = (torch.randn(1, 40, *shape, generator=g) for shape in ((4, 16), (16,), (4,)))
 starts = torch.zeros(1, 40, dtype=torch.long)
 mine, theirs = today.indexer_topk(q, k, w, starts, 8), prev.indexer_topk(q, k, w, starts, 8)
 assert mine.shape == (1, 40, 8) and (mine == theirs).all()
 single = load_previous(Path(sys.argv[1]) / "triton.py")
-assert single.__name__ == "previous_dsa_triton" and (single.indexer_topk(q, k, w, starts, 8) == mine).all()
+assert (single.indexer_topk(q, k, w, starts, 8) == mine).all()
 print("ok")
 """
 
@@ -47,12 +53,15 @@ print("ok")
 def test_previous_folder_runs_its_own_kernels(tmp_path):
     site = ROOT / ".triton"
     assert (site / "triton").is_dir(), "triton is not in .triton: run scripts/test.sh (it installs it there)"
-    copy = tmp_path / "dsa"
-    shutil.copytree(ROOT / "kiln_kernels" / "dsa", copy, ignore=shutil.ignore_patterns("__pycache__"))
-    # a bytecode cache of the copy as it stands (a cached module is not the copy's renamed one)
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(copy)], check=True)
+    copy, other = tmp_path / "dsa", tmp_path / "other"
+    for folder in (copy, other):
+        shutil.copytree(ROOT / "kiln_kernels" / "dsa", folder, ignore=shutil.ignore_patterns("__pycache__"))
     with (copy / "hopper.py").open("a") as f:
         f.write("\nCOPY = True\n")
+    with (copy / "__init__.py").open("a") as f:  # the package's: registers torch ops, must not run
+        f.write("\nraise RuntimeError('the copy\\'s __init__.py ran')\n")
+    # a bytecode cache of the copy as it stands (a cached module is not the copy's renamed one)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(copy)], check=True)
     env = {
         **os.environ,
         "TRITON_INTERPRET": "1",
@@ -60,6 +69,11 @@ def test_previous_folder_runs_its_own_kernels(tmp_path):
         "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
     }
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(copy)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SCRIPT, str(copy), str(other)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-3000:]
