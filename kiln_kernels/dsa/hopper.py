@@ -203,7 +203,7 @@ def _half(
         acc = warpgroup_mma(gl.convert_layout(p.to(dt), p_l), kb, acc, is_async=True)
         m = m_new
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    cp.wait_group(0)
+    cp.wait_group(0)  # the last (empty) block's copies
 
     l_safe = gl.where(l > 0, l, 1.0)
     out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_l))[:, None]
