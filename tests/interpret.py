@@ -9,6 +9,7 @@ element instead."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,18 @@ needs_kernels = pytest.mark.skipif(
     not INTERPRETED and not torch.cuda.is_available(), reason="needs a CUDA device (or TRITON_INTERPRET=1 on the CPU)"
 )
 gpu_only = pytest.mark.skipif(INTERPRETED, reason="bf16 and large shapes: not in the interpreter")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def triton_env(**more: str) -> dict[str, str]:
+    """The environment of a test's subprocess that imports triton from .triton (scripts/test.sh
+    installs it there, outside .venv) and sees no GPU; ``more`` on top (``TRITON_INTERPRET="1"``
+    for the interpreter)."""
+    site = ROOT / ".triton"
+    assert (site / "triton").is_dir(), "triton is not in .triton: run scripts/test.sh (it installs it there)"
+    path = os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path, **more}
+
 
 if INTERPRETED:
     import triton.runtime.interpreter as interpreter

@@ -4,13 +4,14 @@ today's hopper.py)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpret import triton_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,8 +52,6 @@ print("ok")
 
 @pytest.mark.timeout(300)
 def test_previous_folder_runs_its_own_kernels(tmp_path):
-    site = ROOT / ".triton"
-    assert (site / "triton").is_dir(), "triton is not in .triton: run scripts/test.sh (it installs it there)"
     copy, other = tmp_path / "dsa", tmp_path / "other"
     for folder in (copy, other):
         shutil.copytree(ROOT / "kiln_kernels" / "dsa", folder, ignore=shutil.ignore_patterns("__pycache__"))
@@ -62,16 +61,10 @@ def test_previous_folder_runs_its_own_kernels(tmp_path):
         f.write("\nraise RuntimeError('the copy\\'s __init__.py ran')\n")
     # a bytecode cache of the copy as it stands (a cached module is not the copy's renamed one)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(copy)], check=True)
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
-    }
     run = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(copy), str(other)],
         cwd=ROOT,
-        env=env,
+        env=triton_env(TRITON_INTERPRET="1"),
         capture_output=True,
         text=True,
         timeout=280,

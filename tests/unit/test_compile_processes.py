@@ -8,10 +8,11 @@ module load need a device: tests/gpu/test_rehearse_cuda.py covers them. triton l
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.interpret import triton_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = r"""
@@ -78,14 +79,7 @@ print("ok", round(secs, 2))
 
 
 def test_a_compile_made_in_a_spawned_process_is_read_from_the_cache(tmp_path):
-    site = ROOT / ".triton"
-    assert (site / "triton").is_dir(), "triton is not in .triton: run scripts/test.sh (it installs it there)"
-    env = {
-        **os.environ,
-        "TRITON_CACHE_DIR": str(tmp_path / "cache"),  # fresh: a hit is the process's work
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = triton_env(TRITON_CACHE_DIR=str(tmp_path / "cache"))  # fresh: a hit is the process's work
     run = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert run.stdout.startswith("ok"), run.stdout

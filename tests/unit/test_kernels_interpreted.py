@@ -7,12 +7,13 @@ it stays out of .venv, where it would send transformers' KDA to a GPU."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpret import triton_env
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = [
@@ -35,14 +36,7 @@ QUIET = ["-W", "ignore::RuntimeWarning"]
 # 204 s in two workers on the 2-core VM (377 s in one, which passed 600 s on a slow CI day)
 @pytest.mark.timeout(900)
 def test_triton_kernels_in_the_interpreter():
-    site = ROOT / ".triton"
-    assert (site / "triton").is_dir(), "triton is not in .triton: run scripts/test.sh (it installs it there)"
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = triton_env(TRITON_INTERPRET="1")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider", *QUIET, *FILES],
         cwd=ROOT,
@@ -61,7 +55,7 @@ def test_hoppers_gluon_kernels_compile_for_sm90():
     compile offline for sm_90a through Triton and ptxas (bench.regs): no spills, within a block's
     shared memory, two buffers of gathered rows, and their wgmma not serialised by ptxas (C7514:
     a product left in flight across the next one's issue did that, and cost the overlap)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / ".triton"), str(ROOT)])}
+    env = triton_env()
     run = subprocess.run(
         [sys.executable, "-m", "bench.regs", "dsa fwd hopper", "dsa walk hopper"],
         cwd=ROOT,
